@@ -1,0 +1,70 @@
+"""One place for every setting of the sliding runtime (the engine reads only this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+Offload = Literal["none", "cpu", "nvme"]
+
+
+@dataclass(frozen=True)
+class SlideConfig:
+    """Where training state lives and how the GPU window slides over the model.
+
+    offload: "cpu" keeps fp32 master weights and Adam state in host RAM and streams units through the GPU;
+        "none" keeps everything on the compute device (plain training); "nvme" adds the disk tier.
+    slots: GPU slots in the ring that decoder blocks slide through (>= 2: one computing, one loading).
+    activations: where each unit's saved input waits for its backward: "device" (GPU memory), "cpu"
+        (pinned host RAM, copied out and prefetched back asynchronously), or "auto" (device).
+    h2d_source: what a unit load reads from host memory. "master": the pinned fp32 master, cast to the
+        compute dtype on the GPU (no extra RAM, 4 PCIe bytes/param); "shadow": a pinned bf16 copy the
+        optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
+    chunk_elems: elements per gradient chunk on its way to the CPU optimizer (bounds pinned landing memory
+        and pipelines device-to-host copies with the update).
+    grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
+    use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
+    nvme_path: directory for the disk tier (offload="nvme").
+    """
+
+    offload: Offload = "cpu"
+    slots: int = 3
+    activations: Literal["auto", "device", "cpu"] = "auto"
+    h2d_source: Literal["master", "shadow"] = "master"
+    chunk_elems: int = 1 << 25
+    grad_buffers: int = 3
+    use_kernels: bool = True
+    nvme_path: str | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "offload": self.offload in ("none", "cpu", "nvme"),
+            "slots": self.slots >= 2,
+            "activations": self.activations in ("auto", "device", "cpu"),
+            "h2d_source": self.h2d_source in ("master", "shadow"),
+            "chunk_elems": self.chunk_elems >= 1024,
+            "grad_buffers": self.grad_buffers >= 2,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            name = bad[0]
+            raise ValueError(f"SlideConfig.{name}={getattr(self, name)!r} is not valid. {_HINTS[name]}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "SlideConfig":
+        """Build from loose keyword arguments (Hydra, registry init params), naming any unknown key."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown slideformer setting(s) {unknown}; valid settings are {sorted(known)}.")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+_HINTS = {
+    "offload": "Choose 'cpu' (host RAM), 'nvme' (disk tier) or 'none' (everything on the GPU).",
+    "slots": "The window needs at least 2 GPU slots (one computing, one loading).",
+    "activations": "Choose 'auto', 'device' or 'cpu'.",
+    "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
+    "chunk_elems": "Use at least 1024 elements per gradient chunk.",
+    "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
+}
