@@ -1,0 +1,97 @@
+"""Callbacks for fine-tuning runs: throughput and memory in the progress bar, and a Hugging Face export."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from transformers import PreTrainedTokenizerBase
+
+GIB = 2**30
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class ThroughputMemoryMonitor(Callback):
+    """Logs tokens/s (non-padding tokens over wall time), peak host RSS and, on CUDA, peak VRAM.
+
+    The rate is measured over windows of `window` batches (default: the trainer's log_every_n_steps) so the
+    token count is read from the device once per window, not once per step; validation time is left out.
+    """
+
+    def __init__(self, window: int | None = None) -> None:
+        self.window = window
+        self._metrics: dict[str, float] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.window = self.window or trainer.log_every_n_steps
+        self._start_window()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start_window()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object,
+                           batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._tokens = self._tokens + batch["attention_mask"].sum()
+        self._batches += 1
+        if self._batches == self.window:
+            self._metrics = {"tokens/s": float(self._tokens) / (time.perf_counter() - self._t0)}
+            self._metrics.update(self._memory(pl_module.device))
+            self._start_window()
+        if self._metrics:
+            pl_module.log_dict(self._metrics, prog_bar=True, on_step=True, on_epoch=False)
+
+    def _start_window(self) -> None:
+        self._tokens, self._batches, self._t0 = 0, 0, time.perf_counter()
+
+    @staticmethod
+    def _memory(device: torch.device) -> dict[str, float]:
+        memory = {"rss_peak_GiB": peak_rss_bytes() / GIB}
+        if device.type == "cuda":
+            memory["vram_peak_GiB"] = torch.cuda.max_memory_allocated(device) / GIB
+        return memory
+
+
+def standalone_weights(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """CPU copies of the tensors under `prefix` (prefix stripped) that share no memory with anything else.
+
+    Under the sliding strategy parameters are views into large flat host buffers, which safetensors refuses.
+    Tied weights (one tensor under two names) stay one tensor, so `save_pretrained` keeps the tie.
+    """
+    copies: dict[tuple, torch.Tensor] = {}
+    weights = {}
+    for name, tensor in state_dict.items():
+        if name.startswith(prefix):
+            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            if key not in copies:
+                copies[key] = tensor.detach().to("cpu", copy=True).contiguous()
+            weights[name[len(prefix):]] = copies[key]
+    return weights
+
+
+class HFExport(Callback):
+    """At the end of training, writes `pl_module.model` as a Hugging Face folder (safetensors + tokenizer).
+
+    Runs in `on_train_end`, before the strategy tears down its buffers, and takes the weights from
+    `trainer.strategy.lightning_module_state_dict()`, which waits for any in-flight optimizer update.
+    """
+
+    def __init__(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.tokenizer = tokenizer
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        weights = standalone_weights(trainer.strategy.lightning_module_state_dict(), prefix="model.")
+        if trainer.is_global_zero:
+            pl_module.model.save_pretrained(self.out_dir, state_dict=weights)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(self.out_dir)

@@ -1,0 +1,89 @@
+"""The LightningModule for causal-LM fine-tuning: loss from the HF model, AdamW, warmup + cosine LR.
+
+Parameters are touched only inside the model's own forward (and by shape when grouping for the optimizer),
+because the sliding runtime streams each block's weights in just for its forward call.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+from transformers import PreTrainedModel, get_cosine_with_min_lr_schedule_with_warmup
+
+from lightning_slide.data import IGNORE_INDEX
+
+# No argument validation: it would look at every target on the host, a device sync per step.
+_ACC = dict(average="micro", ignore_index=IGNORE_INDEX, validate_args=False)
+
+
+def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms and biases (ndim < 2) are scale/offset terms that decay would distort."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+class CausalLMModule(L.LightningModule):
+    """Full-parameter fine-tuning of a Hugging Face causal LM (batches with input_ids, attention_mask, labels)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"Bad optimizer settings lr={lr}, warmup_steps={warmup_steps}, "
+                             f"min_lr_ratio={min_lr_ratio}: set optim.lr > 0, optim.warmup_steps >= 0 "
+                             "and 0 <= optim.min_lr_ratio <= 1.")
+        self.save_hyperparameters(ignore=["model"])
+        self.model = model
+        vocab = model.config.get_text_config().vocab_size
+        self.train_acc = MulticlassAccuracy(vocab, **_ACC)
+        self.val_acc = MulticlassAccuracy(vocab, **_ACC)
+        self.val_nll = MeanMetric()  # per-token NLL: val/loss, and val/ppl = exp(val/loss)
+
+    def on_fit_start(self) -> None:
+        """Metric states follow the compute device even when the strategy leaves the weights on the host."""
+        for metric in (self.train_acc, self.val_acc, self.val_nll):
+            metric.to(self.device)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        self.log("train/loss", out.loss, prog_bar=True)
+        self.log("lr", self.lr_schedulers().get_last_lr()[0], prog_bar=True)
+        if out.logits is not None:  # None when a fused linear-cross-entropy kernel computed the loss
+            self.train_acc(out.logits[:, :-1].argmax(-1), batch["labels"][:, 1:])
+            self.log("train/acc", self.train_acc)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """One forward without labels, so logits exist even with a fused loss; the loss comes from them."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        targets = batch["labels"][:, 1:]
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+        self.val_nll.update(nll[targets.flatten() != IGNORE_INDEX])
+        self.val_acc.update(logits.argmax(-1), targets)
+
+    def on_validation_epoch_end(self) -> None:
+        nll = self.val_nll.compute()
+        self.log_dict({"val/loss": nll, "val/ppl": nll.exp(), "val/acc": self.val_acc.compute()}, prog_bar=True)
+        self.val_nll.reset()
+        self.val_acc.reset()
+
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(adamw_param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=hp.betas)
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, hp.warmup_steps, self.trainer.estimated_stepping_batches, min_lr_rate=hp.min_lr_ratio
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

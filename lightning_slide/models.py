@@ -1,0 +1,163 @@
+"""Named model architectures and one way to build them: random init from a config, or a local HF folder.
+
+The shapes below are those of the published `config.json` files, so `model=llama3_8b` trains the real
+architecture (random weights) without a download; real weights come only from a local folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3.1/3.2 rope scaling ("llama3" type) as their config.json files write it."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def _llama3(hidden: int, layers: int, heads: int, intermediate: int, tied: bool, rope_factor: float) -> dict:
+    return dict(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=hidden // heads,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=_llama3_rope(rope_factor),
+        tie_word_embeddings=tied,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+
+
+def _qwen3(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
+    return dict(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
+#: name -> (HF config class, config kwargs). `tiny` is the CPU demo: a Llama small enough to learn
+#: visibly in a minute on two cores, with the vocabulary of the built-in byte-level tokenizer.
+MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "tiny": (
+        LlamaConfig,
+        dict(
+            vocab_size=264,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=1,
+            pad_token_id=0,
+        ),
+    ),
+    "llama3_1b": (LlamaConfig, _llama3(2048, 16, 32, 8192, tied=True, rope_factor=32.0)),
+    "llama3_3b": (LlamaConfig, _llama3(3072, 28, 24, 8192, tied=True, rope_factor=32.0)),
+    "llama3_8b": (LlamaConfig, _llama3(4096, 32, 32, 14336, tied=False, rope_factor=8.0)),
+    "qwen2_5_7b": (
+        Qwen2Config,
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151643,
+        ),
+    ),
+    "qwen3_8b": (Qwen3Config, _qwen3(4096, 36, 32, 12288)),
+    "qwen3_14b": (Qwen3Config, _qwen3(5120, 40, 40, 17408)),
+    "mistral_7b": (
+        MistralConfig,
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            sliding_window=4096,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
+
+
+def model_config(name: str, **overrides: object) -> PretrainedConfig:
+    """The HF config of a named architecture; `overrides` change single fields (e.g. fewer layers)."""
+    if name not in MODELS:
+        raise KeyError(f"Unknown model {name!r}. Available models: {', '.join(sorted(MODELS))} "
+                       "(or pass model.pretrained=/path/to/a/local/hf/folder).")
+    config_class, kwargs = MODELS[name]
+    return config_class(**{**kwargs, **overrides})
+
+
+def build_model(
+    name_or_config: str | PretrainedConfig,
+    pretrained: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """A causal LM with fp32 weights on the CPU (the runtime keeps its master copy there).
+
+    `pretrained` (a local folder written by `save_pretrained`) wins over the name: its config and weights
+    are loaded without touching the network. Otherwise the named (or given) config gets random weights.
+    """
+    if pretrained is not None:
+        folder = Path(pretrained).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.pretrained={str(pretrained)!r} is not a local Hugging Face model folder "
+                                    "(no config.json there). Point it at a folder written by save_pretrained, "
+                                    "or drop model.pretrained to train the named architecture from scratch.")
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)

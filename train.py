@@ -1,0 +1,60 @@
+"""Fine-tune a causal LM on one device: `python train.py [model=llama3_8b] [offload=cpu|none] [data=jsonl ...]`.
+
+Writes into the Hydra run dir: CSV and TensorBoard logs, checkpoints/, and hf_model/ (save_pretrained).
+"""
+
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_slide.callbacks import HFExport, ThroughputMemoryMonitor
+from lightning_slide.data import TextDataModule, load_tokenizer
+from lightning_slide.lm import CausalLMModule
+from lightning_slide.models import build_model
+
+
+def make_strategy(offload: dict) -> L.pytorch.strategies.Strategy | str:
+    """offload=none is plain Lightning; anything else is the sliding runtime with these settings."""
+    if offload["offload"] == "none":
+        return "auto"
+    from lightning_slide import SlideStrategy  # the runtime; offload=none runs without it
+
+    return SlideStrategy(**offload)
+
+
+def resolve_precision(precision: str) -> str:
+    """"auto" is bf16 mixed precision where the GPU has bf16, and full fp32 on the CPU."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    c = OmegaConf.to_container(cfg, resolve=True)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    L.seed_everything(c["seed"])
+    tokenizer = load_tokenizer(c["model"]["pretrained"])
+    module = CausalLMModule(build_model(c["model"]["name"], c["model"]["pretrained"]), **c["optim"])
+    trainer = L.Trainer(
+        **{**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},
+        strategy=make_strategy(c["offload"]),
+        default_root_dir=run_dir,
+        logger=[CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tensorboard", version="")],
+        callbacks=[
+            ModelCheckpoint(run_dir / "checkpoints", **c["checkpoint"]),
+            ThroughputMemoryMonitor(),
+            HFExport(run_dir / "hf_model", tokenizer),
+        ],
+    )
+    trainer.fit(module, datamodule=TextDataModule(tokenizer, seed=c["seed"], **c["data"]), ckpt_path=c["resume"])
+
+
+if __name__ == "__main__":
+    main()
