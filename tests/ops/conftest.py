@@ -1,0 +1,42 @@
+"""Kernel tests run on the GPU when there is one, else in Triton's CPU interpreter.
+
+The variable must be set before anything defines a Triton kernel; `ops` itself decides at launch
+time (see ops/_triton.py), so the order in which test modules import things does not matter.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Close within the dtype's tolerance, relative to the element and to the tensor's scale.
+
+    The scale term keeps near-zero elements of a gradient from failing on absolute noise; NaN and
+    infinity never pass.
+    """
+    assert torch.isfinite(actual).all(), "non-finite values"
+    tol = TOLERANCE[dtype]
+    expected = expected.float()
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol * max(scale, 1e-6))
+
+
+@pytest.fixture
+def assert_matches():
+    return _assert_matches
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

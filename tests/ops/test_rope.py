@@ -1,0 +1,69 @@
+"""RoPE on q and k: Hugging Face's apply_rotary_pos_emb, forward and backward, GQA, both layouts."""
+import pytest
+import torch
+
+from ops import apply_rotary_pos_emb, rope_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _cos_sin(batch, seq, head_dim, device, dtype):
+    """HF's default rotary table: cos/sin of cat(freqs, freqs), shape [batch, seq, head_dim]."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    pos = torch.arange(seq, device=device).float() + 3  # an offset, as with a cache
+    emb = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1).expand(batch, seq, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _qk(batch, seq, hq, hk, head_dim, unsqueeze_dim, dtype, device):
+    """q, k as HF makes them: projections viewed [b, s, h, d], transposed when unsqueeze_dim=1."""
+    q = torch.randn(batch, seq, hq, head_dim, device=device).to(dtype)
+    k = torch.randn(batch, seq, hk, head_dim, device=device).to(dtype)
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return q.requires_grad_(), k.requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("head_dim", [18, 128], ids=["odd-half", "llama-128"])
+def test_forward_and_backward_match_reference_with_gqa(head_dim, unsqueeze_dim, dtype, device,
+                                                       assert_matches):
+    q, k = _qk(2, 3, 6, 2, head_dim, unsqueeze_dim, dtype, device)
+    cos, sin = _cos_sin(2, 3, head_dim, device, dtype)
+    q_r, k_r = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
+
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_exp, k_exp = rope_reference(q_r, k_r, cos.float(), sin.float(), unsqueeze_dim)
+    assert_matches(q_out, q_exp, dtype)
+    assert_matches(k_out, k_exp, dtype)
+
+    gq, gk = torch.randn_like(q_exp).to(dtype), torch.randn_like(k_exp).to(dtype)
+    torch.autograd.backward((q_out, k_out), (gq, gk))
+    torch.autograd.backward((q_exp, k_exp), (gq.float(), gk.float()))
+    assert_matches(q.grad, q_r.grad, dtype)
+    assert_matches(k.grad, k_r.grad, dtype)
+
+
+def test_outputs_keep_the_input_memory_layout(device):
+    q, k = _qk(1, 4, 4, 2, 16, 1, torch.float32, device)
+    cos, sin = _cos_sin(1, 4, 16, device, torch.float32)
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+    assert q_out.stride() == q.stride() and k_out.stride() == k.stride()
+
+
+def test_cos_sin_shared_across_the_batch_broadcast(device, assert_matches):
+    q, k = _qk(3, 4, 2, 1, 16, 1, torch.float32, device)
+    cos, sin = _cos_sin(1, 4, 16, device, torch.float32)
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
+    q_exp, k_exp = rope_reference(q, k, cos, sin)
+    assert_matches(q_out, q_exp, torch.float32)
+    assert_matches(k_out, k_exp, torch.float32)
+
+
+def test_cpu_without_interpreter_uses_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k = _qk(1, 3, 2, 1, 8, 1, torch.float32, torch.device("cpu"))
+    cos, sin = _cos_sin(1, 3, 8, torch.device("cpu"), torch.float32)
+    q_out, _ = apply_rotary_pos_emb(q, k, cos, sin)
+    assert "RoPEFunction" not in type(q_out.grad_fn).__name__
