@@ -35,10 +35,9 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
+    """One fine-tuning run of the composed config, writing everything under `run_dir`."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(c["seed"])
     tokenizer = load_tokenizer(c["model"]["pretrained"])
     module = CausalLMModule(build_model(c["model"]["name"], c["model"]["pretrained"]), **c["optim"])
@@ -54,6 +53,12 @@ def main(cfg: DictConfig) -> None:
         ],
     )
     trainer.fit(module, datamodule=TextDataModule(tokenizer, seed=c["seed"], **c["data"]), ckpt_path=c["resume"])
+    return trainer
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""The model registry builds the published architectures, and local pretrained folders load through it."""
+
+import pytest
+import torch
+
+from lightning_slide.models import MODELS, build_model, model_config
+
+# Parameter counts of the published checkpoints (embeddings counted once when tied).
+PUBLISHED_PARAMS = {
+    "llama3_1b": 1_235_814_400,
+    "llama3_3b": 3_212_749_824,
+    "llama3_8b": 8_030_261_248,
+    "qwen2_5_7b": 7_615_616_512,
+    "qwen3_8b": 8_190_735_360,
+    "qwen3_14b": 14_768_307_200,
+    "mistral_7b": 7_241_732_096,
+}
+
+
+def small_llama(**overrides):
+    return model_config("tiny", num_hidden_layers=2, **overrides)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_named_model_has_published_parameter_count_on_meta(name):
+    with torch.device("meta"):
+        model = build_model(name)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMS[name]
+
+
+def test_every_registered_model_except_tiny_has_a_published_count():
+    assert set(MODELS) - {"tiny"} == set(PUBLISHED_PARAMS)
+
+
+def test_qwen3_uses_head_dim_128_independent_of_hidden_size():
+    with torch.device("meta"):
+        model = build_model("qwen3_14b")
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.out_features == 40 * 128 and attention.k_proj.out_features == 8 * 128
+
+
+def test_random_build_is_fp32_on_cpu():
+    model = build_model("tiny")
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cpu")}
+
+
+def test_unknown_model_name_lists_available_models():
+    with pytest.raises(KeyError, match="llama3_8b.*qwen3_14b"):
+        build_model("llama9_1t")
+
+
+def test_pretrained_folder_loads_its_weights(tmp_path):
+    saved = build_model(small_llama()).eval()
+    saved.save_pretrained(tmp_path)
+    loaded = build_model("ignored-when-pretrained", pretrained=tmp_path).eval()
+    tokens = torch.randint(0, saved.config.vocab_size, (2, 16))
+    torch.testing.assert_close(loaded(tokens).logits, saved(tokens).logits, rtol=0, atol=0)
+
+
+def test_missing_pretrained_folder_says_what_to_pass(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.pretrained=.*not a local Hugging Face model folder"):
+        build_model("tiny", pretrained=tmp_path / "nowhere")

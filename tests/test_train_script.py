@@ -1,0 +1,155 @@
+"""train.py end to end: a short run learns and writes logs, checkpoints and an HF folder; bad settings fail clearly."""
+
+import csv
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_slide.callbacks import ThroughputMemoryMonitor, standalone_weights
+from lightning_slide.config import SlideConfig
+from lightning_slide.models import MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT_RUN = ["trainer.max_steps=30", "trainer.val_check_interval=15", "trainer.log_every_n_steps=3",
+             "+trainer.limit_val_batches=2"]
+SCRIPT = runpy.run_path(str(ROOT / "train.py"))
+train = SCRIPT["train"]
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module", params=["none", "cpu"])
+def offload(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def run_dir(offload, tmp_path_factory) -> Path:
+    """`python train.py` as a user runs it, shortened to 30 steps."""
+    out = tmp_path_factory.mktemp(f"run-{offload}")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "train.py", f"offload={offload}", f"hydra.run.dir={out}", *SHORT_RUN]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    return [float(row[key]) for row in rows if row.get(key)]
+
+
+def test_loss_falls(run_dir):
+    losses = logged(run_dir, "train/loss")
+    assert len(losses) >= 8
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
+
+
+def test_logs_lr_throughput_memory_and_validation_metrics(run_dir):
+    for key in ("lr", "tokens/s", "rss_peak_GiB", "train/acc", "val/loss", "val/ppl", "val/acc"):
+        assert logged(run_dir, key), key
+    assert min(logged(run_dir, "tokens/s")) > 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_writes_a_checkpoint_at_the_last_step(run_dir):
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 30
+
+
+def test_hf_folder_reloads_as_the_trained_model(run_dir):
+    trained = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf_model", local_files_only=True).eval()
+    assert list((run_dir / "hf_model").glob("*.safetensors"))
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight  # the tie survived export
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, trained[f"model.{name}"], rtol=0, atol=0)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "hf_model", local_files_only=True)
+    assert tokenizer.decode(tokenizer("def f(x):")["input_ids"]) == "def f(x):"
+
+
+def test_resume_continues_from_the_checkpoint(run_dir, offload, tmp_path):
+    cfg = config(f"offload={offload}", f"resume={run_dir / 'checkpoints' / 'last.ckpt'}", *SHORT_RUN[1:],
+                 "trainer.max_steps=32")
+    assert train(cfg, tmp_path).global_step == 32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU default")
+def test_precision_auto_means_fp32_on_cpu_and_explicit_values_pass_through():
+    assert SCRIPT["resolve_precision"]("auto") == "32-true"
+    assert SCRIPT["resolve_precision"]("bf16-mixed") == "bf16-mixed"
+
+
+def test_unknown_model_lists_available_models():
+    with pytest.raises(MissingConfigException, match="(?s)Available options in 'model'.*llama3_8b.*qwen3_14b"):
+        config("model=llama9_1t")
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(ConfigCompositionException, match="Could not override 'trainer.max_stepz'"):
+        config("trainer.max_stepz=10")
+
+
+def test_bad_value_names_the_setting(tmp_path):
+    with pytest.raises(ValueError, match="data.seq_len >= 2"):
+        train(config("offload=none", "data.seq_len=0"), tmp_path)
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n')
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: not valid JSON"):
+        train(config("offload=none", "data=jsonl", f"data.path={path}"), tmp_path)
+
+
+def test_every_model_recipe_names_a_registered_model():
+    recipes = {p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")}
+    assert recipes == set(MODELS)
+    assert all(config(f"model={name}").model.name == name for name in recipes)
+
+
+def test_cpu_offload_recipe_is_a_valid_slide_config():
+    settings = OmegaConf.to_container(config("offload=cpu").offload)
+    assert SlideConfig.from_kwargs(**settings).offload == "cpu"
+
+
+def test_export_copies_share_no_memory_but_keep_ties():
+    flat = torch.randn(40)
+    embedding = flat[:20].view(4, 5)
+    state = {"model.embed.weight": embedding, "model.head.weight": embedding, "model.norm.weight": flat[20:25],
+             "other.weight": flat[25:]}
+    weights = standalone_weights(state, prefix="model.")
+    assert set(weights) == {"embed.weight", "head.weight", "norm.weight"}
+    assert weights["embed.weight"] is weights["head.weight"]
+    assert weights["norm.weight"].untyped_storage().nbytes() == 5 * 4
+    flat.zero_()
+    assert torch.equal(weights["norm.weight"], state["model.norm.weight"]) is False
+
+
+def test_throughput_counts_only_non_padding_tokens(monkeypatch):
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr("lightning_slide.callbacks.time.perf_counter", lambda: next(clock, 2.0))
+    logs = {}
+    module = SimpleNamespace(device=torch.device("cpu"), log_dict=lambda metrics, **_: logs.update(metrics))
+    monitor = ThroughputMemoryMonitor(window=2)
+    monitor.on_train_start(SimpleNamespace(log_every_n_steps=50), module)
+    for _ in range(2):
+        mask = torch.randint(0, 2, (4, 16))
+        mask[:, 0] = 1
+        logs["expected"] = logs.get("expected", 0) + int(mask.sum())
+        monitor.on_train_batch_end(None, module, None, {"attention_mask": mask}, 0)
+    assert logs["tokens/s"] == pytest.approx(logs["expected"] / 2.0)
+    assert logs["rss_peak_GiB"] > 0
