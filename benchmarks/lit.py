@@ -1,0 +1,124 @@
+"""The Lightning cases: DeepSpeed ZeRO offload and lightning-slide, driven by one tiny LightningModule.
+
+Both get the same model (fp32 weights on the CPU, as a user who loaded a checkpoint has them), the
+same random tokens and `precision="bf16-mixed"`. What differs is only what each strategy requires:
+DeepSpeed's offload wants `DeepSpeedCPUAdam` and runs with gradient checkpointing (its usual setting,
+and without it 3B does not fit the cap); lightning-slide takes a plain `torch.optim.AdamW`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.build import build_model, random_tokens
+from benchmarks.cases import SYSTEMS, Case
+from benchmarks.models import MODELS
+from benchmarks.timing import WindowClock
+
+LR = 1e-5
+
+
+class CausalLMModule(pl.LightningModule):
+    """training_step returns the model's own loss; the optimizer is what the strategy requires."""
+
+    def __init__(self, model: torch.nn.Module, deepspeed_adam: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.deepspeed_adam = deepspeed_adam
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.deepspeed_adam:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(self.parameters(), lr=LR)
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+class ClockCallback(pl.Callback):
+    """Ticks the window clock after every optimizer step; snapshots engine stats at the window ends."""
+
+    def __init__(self, clock: WindowClock) -> None:
+        self.clock = clock
+        self.stats: dict[str, dict] = {}
+        self.loss_last: float | None = None
+        self._trainer: pl.Trainer | None = None
+        clock.on_window_start = lambda: self._snapshot("start")
+        clock.on_window_end = lambda: self._snapshot("end")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self._trainer = trainer
+        self.clock.tick()
+        if self.clock.done and self.loss_last is None:  # after the final sync: reading it costs nothing
+            self.loss_last = float(outputs["loss"])
+
+    def _snapshot(self, when: str) -> None:
+        self.stats[when] = engine_stats(self._trainer.strategy) if self._trainer else {}
+
+
+def engine_stats(strategy: object) -> dict:
+    """`strategy.engine.stats()` if the strategy has one (lightning-slide), as plain JSON values."""
+    stats = getattr(getattr(strategy, "engine", None), "stats", None)
+    if not callable(stats):
+        return {}
+    return {key: _jsonable(value) for key, value in dict(stats()).items()}
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return repr(value)
+
+
+def _strategy(case: Case) -> tuple[object, dict]:
+    """The Trainer's strategy argument, and how it was configured (for the record)."""
+    if case.system in ("ds2", "ds3"):
+        return SYSTEMS[case.system], {}
+    from lightning_slide import SlideStrategy
+
+    strategy = SlideStrategy(offload=case.tier)
+    config = getattr(strategy, "config", None)
+    return strategy, (dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {})
+
+
+def run_lightning(case: Case, device: torch.device) -> dict:
+    """Fit warm-up + timed steps with the case's strategy; the clock callback does the timing."""
+    deepspeed = case.system in ("ds2", "ds3")
+    strategy, config = _strategy(case)
+    model = build_model(MODELS[case.model], case.seq_len, torch.device("cpu"), torch.float32)
+    if deepspeed:
+        model.gradient_checkpointing_enable()
+    module = CausalLMModule(model, deepspeed_adam=deepspeed)
+    del model  # the strategy may repack the weights: keep no second reference alive
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the GPU-drawn init noise must not count as the strategy's memory
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = (case.warmup + case.steps) * case.micro_batch
+    data = DataLoader(TensorDataset(random_tokens(MODELS[case.model], rows, case.seq_len)),
+                      batch_size=case.micro_batch)
+    clock = WindowClock(case.warmup, case.steps, device)
+    callback = ClockCallback(clock)
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                         precision="bf16-mixed", max_steps=case.warmup + case.steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    trainer.fit(module, data)
+    return {**clock.summary(case.tokens_per_step), "loss_last": callback.loss_last,
+            "first_step_at": clock.first_step_at, "engine_stats": callback.stats, "slide_config": config,
+            "kernels": "slide config use_kernels" if config.get("use_kernels") else "hf-llama-sdpa",
+            "gradient_checkpointing": deepspeed}

@@ -1,0 +1,125 @@
+"""The cases that need no Lightning: the machine probe, the fwd+bwd ceiling, plain GPU training.
+
+These are the yardsticks of DESIGN.md's efficiency condition, measured in the same run as the
+systems they judge: PCIe bandwidth and the CPU AdamW rate give the transfer and update bounds, the
+ceiling's FLOP rate gives the GPU compute bound.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.build import fill_normal_, build_model, random_tokens
+from benchmarks.cases import Case
+from benchmarks.models import MODELS
+from benchmarks.timing import WindowClock
+
+_PCIE_BYTES = 1 << 30  # one copy of the bandwidth probe (1 GiB, pinned)
+_PCIE_REPS = 5
+
+
+def run_probe(case: Case, device: torch.device) -> dict:
+    """Pinned host<->device GB/s (each way, and both at once) and CPU fused AdamW params/s."""
+    result = {"adam": cpu_adam_rate(case.adam_params)}
+    if device.type == "cuda":
+        result["pcie"] = pcie_bandwidth(device)
+    return result
+
+
+def cpu_adam_rate(n: int, reps: int = 3) -> dict:
+    """`torch.optim.AdamW(fused=True)` on n fp32 CPU params with every CPU thread; median of reps.
+
+    n = 5e8 by default (8 GB of param, grad, m, v: far past any cache): the rate scales to the
+    model's N linearly (ANCHORS saw the same rate at 1.07e9).
+    """
+    torch.set_num_threads(os.cpu_count() or 1)
+    param = torch.nn.Parameter(torch.empty(n))
+    fill_normal_(param.data)
+    param.grad = torch.empty(n)
+    fill_normal_(param.grad)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    optimizer.step()  # allocates m and v
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    return {"params": n, "threads": torch.get_num_threads(), "step_s": step, "params_per_s": n / step,
+            "optimizer": "torch.optim.AdamW(fused=True) on CPU, fp32"}
+
+
+def pcie_bandwidth(device: torch.device) -> dict:
+    """GB/s of 1 GiB pinned copies: host->device, device->host, and both directions at once."""
+    hosts = [torch.empty(_PCIE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    devs = [torch.empty(_PCIE_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+    h2d = _copy_rate(lambda: devs[0].copy_(hosts[0], non_blocking=True))
+    d2h = _copy_rate(lambda: hosts[0].copy_(devs[0], non_blocking=True))
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def both() -> None:
+        with torch.cuda.stream(streams[0]):
+            devs[0].copy_(hosts[0], non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            hosts[1].copy_(devs[1], non_blocking=True)
+
+    bidir = 2 * _copy_rate(both)
+    return {"h2d_gbs": h2d, "d2h_gbs": d2h, "bidir_gbs": bidir, "bytes_per_copy": _PCIE_BYTES}
+
+
+def _copy_rate(copy: Callable[[], object]) -> float:
+    """GB/s of one copy function (per direction), timed between two device syncs after a warm-up."""
+    copy()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(_PCIE_REPS):
+        copy()
+    torch.cuda.synchronize()
+    return _PCIE_REPS * _PCIE_BYTES / (time.perf_counter() - start) / 1e9
+
+
+def run_ceiling(case: Case, device: torch.device) -> dict:
+    """bf16 weights, forward + backward only: the most the GPU can do per token for this model."""
+    model = build_model(MODELS[case.model], case.seq_len, device, torch.bfloat16)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    return _timed_loop(case, device, step)
+
+
+def run_plain(case: Case, device: torch.device) -> dict:
+    """Plain training on one device: fp32 master weights, bf16 autocast, fused AdamW beside them."""
+    model = build_model(MODELS[case.model], case.seq_len, device, torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return _timed_loop(case, device, step)
+
+
+def _timed_loop(case: Case, device: torch.device, step: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """Run warm-up + timed steps over fixed random tokens (already on the device)."""
+    rows = (case.warmup + case.steps) * case.micro_batch
+    data = random_tokens(MODELS[case.model], rows, case.seq_len).to(device)
+    clock = WindowClock(case.warmup, case.steps, device)
+    loss = torch.zeros(())
+    for batch in data.split(case.micro_batch):
+        loss = step(batch)
+        clock.tick()
+    return {**clock.summary(case.tokens_per_step), "loss_last": float(loss), "kernels": "hf-llama-sdpa",
+            "first_step_at": clock.first_step_at}

@@ -1,0 +1,180 @@
+"""Result records (the JSON of /work/shared/RESULTS.md) and what is derived from a whole run.
+
+Derived fields are computed from the run's own measurements, never from constants: the GPU compute
+bound from this run's fwd+bwd ceiling of the same model, the PCIe bound from this run's pinned copy
+bandwidth, the CPU update bound from this run's fused CPU AdamW rate. Plain Python (no torch).
+"""
+
+from __future__ import annotations
+
+from benchmarks.cases import OFFLOAD_SYSTEMS, SYSTEMS, Case
+from benchmarks.models import FLOP_FORMULAS, MODELS, step_flops
+
+BOUNDS_FORMULA = {
+    "gpu_compute": "work FLOPs (FLOP_FORMULAS['full'], with one more block forward when the system recomputes) "
+                   "/ the FLOP rate of this run's fwd+bwd ceiling of the same model",
+    "pcie": "max(h2d bytes / h2d GB/s, d2h bytes / d2h GB/s, all bytes / both-ways GB/s), pinned rates of this "
+            "run; bytes as the engine counted them when it reports h2d_bytes/d2h_bytes, else the traffic model",
+    "cpu_update": "N (all params) / this run's torch.optim.AdamW(fused=True) CPU rate on 5e8 params",
+}
+TRAFFIC = {
+    "slide": "h2d: weights twice per step (fwd, bwd) in the engine's h2d_source dtype (fp32 master: 4 B/param, "
+             "bf16 shadow: 2); d2h: fp32 grads (4 B/param; our runtime sends fp32 grads); + unit inputs both "
+             "ways when activations='cpu'",
+    "ds2": "h2d: bf16 params after the CPU update (2 B/param); d2h: bf16 grads (2 B/param)",
+    "ds3": "h2d: bf16 params fetched for fwd and bwd (4 B/param); d2h: bf16 grads (2 B/param)",
+}
+HINTS = {
+    "gpu_compute": "recompute costs 8NT instead of 6NT: keep more activations in spare VRAM, fuse kernels",
+    "pcie": "fewer bytes per param: bf16 shadow weights (2 B not 4), bf16 grads, keep more units resident",
+    "cpu_update": "fewer host DRAM bytes per param in the update, or overlap it with the next step's forward",
+}
+#: engine stats keys (per-step seconds) that make up the exposed time; missing keys are left out.
+EXPOSED_KEYS = {
+    "transfer": ("exposed_transfer_s", "wait_grads_s"),
+    "update": ("exposed_update_s", "wait_update_s", "wait_drain_s"),
+}
+
+
+def base_record(case: Case) -> dict:
+    """Everything known before the case runs: its identity, shape and the FLOP formula used."""
+    spec = MODELS[case.model]
+    return {
+        "case": case.name, "system": SYSTEMS[case.system], "system_key": case.system,
+        "ok": False, "error": None, "model": spec.label, "model_key": case.model,
+        "params": spec.params, "params_no_embedding": spec.params_no_embedding,
+        "micro_batch": case.micro_batch, "seq_len": case.seq_len, "tokens_per_step": case.tokens_per_step,
+        "accumulate": 1, "vram_cap_gib": case.cap_gib, "tier": case.tier, "device": case.device,
+        "timed_steps": case.steps, "warmup_steps": case.warmup, "chain": case.chain,
+        "flop_formula": FLOP_FORMULAS["6nt"], "flop_formula_full": FLOP_FORMULAS["full"],
+        "data": "uniform random token ids, fixed seed, every token real (no padding)",
+    }
+
+
+def finalize(records: list[dict]) -> None:
+    """Fill in TFLOP/s, bounds, binding bound, exposed time and same-run baseline, in place."""
+    probe = next((r for r in records if r["system_key"] == "probe" and r["ok"]), None)
+    for record in records:
+        if not record["ok"] or record["system_key"] == "probe":
+            continue
+        _add_tflops(record)
+        record["exposed_s"] = _exposed(record.get("engine_stats") or {})
+        record["bounds_s"] = _bounds(record, probe, _ceiling(records, record["model_key"]))
+        record["bounds_formula"] = {**BOUNDS_FORMULA, "traffic": TRAFFIC.get(record["system_key"], "none")}
+        known = {k: v for k, v in record["bounds_s"].items() if v is not None}
+        record["binding"] = max(known, key=known.get) if known else None
+        record["baseline_of_same_run"] = _baseline(records, record)
+
+
+def _add_tflops(record: dict) -> None:
+    spec = MODELS[record["model_key"]]
+    for formula in ("6nt", "full"):
+        flops = step_flops(spec, record["tokens_per_step"], record["seq_len"], formula)
+        record[f"tflops_{formula}"] = flops / record["step_s_mean"] / 1e12
+
+
+def _ceiling(records: list[dict], model: str) -> dict | None:
+    """This run's fwd+bwd ceiling of the model (the one with the most tokens per step)."""
+    ceilings = [r for r in records if r["ok"] and r["system_key"] == "ceiling" and r["model_key"] == model]
+    return max(ceilings, key=lambda r: r["tokens_per_step"], default=None)
+
+
+def recomputes(record: dict) -> bool:
+    """Whether the system runs each block's forward twice (per-unit recompute / checkpointing)."""
+    if record["system_key"] == "slide":
+        return bool(_engine_value(record, "recompute", default=True))
+    return record["system_key"] in ("ds2", "ds3")
+
+
+def _bounds(record: dict, probe: dict | None, ceiling: dict | None) -> dict:
+    spec = MODELS[record["model_key"]]
+    gpu = None
+    if ceiling is not None:
+        rate = step_flops(spec, ceiling["tokens_per_step"], ceiling["seq_len"], "full") / ceiling["step_s_mean"]
+        gpu = step_flops(spec, record["tokens_per_step"], record["seq_len"], "full", recomputes(record)) / rate
+    offload = record["system_key"] in OFFLOAD_SYSTEMS
+    pcie = cpu = 0.0 if not offload else None
+    if offload and probe is not None:
+        cpu = spec.params / probe["adam"]["params_per_s"]
+        pcie = _pcie_s(record, probe.get("pcie"))
+    return {"gpu_compute": gpu, "pcie": pcie, "cpu_update": cpu}
+
+
+def _pcie_s(record: dict, pcie: dict | None) -> float | None:
+    if not pcie:
+        return None
+    h2d, d2h = traffic_bytes(record)
+    return max(h2d / (pcie["h2d_gbs"] * 1e9), d2h / (pcie["d2h_gbs"] * 1e9), (h2d + d2h) / (pcie["bidir_gbs"] * 1e9))
+
+
+def traffic_bytes(record: dict) -> tuple[float, float]:
+    """Bytes per step host->device and device->host: as the engine counted them if it did, else by
+    the system's traffic model (TRAFFIC)."""
+    engine = (record.get("exposed_s") or {}).get("engine") or {}
+    if "h2d_bytes" in engine and "d2h_bytes" in engine:
+        return float(engine["h2d_bytes"]), float(engine["d2h_bytes"])
+    n = record["params"]
+    system = record["system_key"]
+    if system == "ds2":
+        return 2.0 * n, 2.0 * n
+    if system == "ds3":
+        return 4.0 * n, 2.0 * n
+    config = record.get("slide_config") or {}
+    weight_bytes = 2 if config.get("h2d_source") == "shadow" else 4
+    spec = MODELS[record["model_key"]]
+    activations = spec.layers * record["tokens_per_step"] * spec.hidden * 2 if config.get("activations") == "cpu" else 0
+    return 2.0 * n * weight_bytes + activations, 4.0 * n + activations
+
+
+def engine_per_step(stats: dict) -> dict:
+    """Per-step seconds and bytes from the engine's stats snapshots at the window's start and end.
+
+    If the snapshots carry a step counter `steps`, the values are read as running totals and the
+    window's difference is divided by its steps; otherwise the end snapshot is taken as per-step.
+    """
+    start, end = stats.get("start") or {}, stats.get("end") or {}
+    numeric = {k: v for k, v in end.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and k.endswith(("_s", "_bytes"))}
+    steps = end.get("steps", 0) - start.get("steps", 0) if isinstance(start.get("steps"), (int, float)) else 0
+    if steps > 0:
+        return {k: (v - start.get(k, 0)) / steps for k, v in numeric.items()}
+    return numeric
+
+
+def _engine_value(record: dict, key: str, default: object) -> object:
+    return ((record.get("engine_stats") or {}).get("end") or {}).get(key, default)
+
+
+def _exposed(stats: dict) -> dict:
+    """Exposed (non-overlapped) transfer and update seconds per step, from the engine's host-side waits.
+
+    transfer: waits for a free gradient slot (the device->host pump is behind); update: waits for a
+    unit's Adam update before loading it, plus the end-of-step drain (copies and updates together).
+    """
+    per_step = engine_per_step(stats)
+
+    def total(keys: tuple[str, ...]) -> float | None:
+        present = [per_step[k] for k in keys if k in per_step]
+        return sum(present) if present else None
+
+    return {"transfer": total(EXPOSED_KEYS["transfer"]), "update": total(EXPOSED_KEYS["update"]),
+            "engine": per_step}
+
+
+def _baseline(records: list[dict], record: dict) -> dict | None:
+    """The same run's reference for this case: for lightning-slide, DeepSpeed ZeRO-3 (else ZeRO-2, else
+    plain) on the same shape, else the model's fwd+bwd ceiling; None for the baselines themselves."""
+    if record["system_key"] != "slide":
+        return None
+    shape = ("model_key", "micro_batch", "seq_len")
+    same = [r for r in records if r["ok"] and all(r[k] == record[k] for k in shape)]
+    for system in ("ds3", "ds2", "plain"):
+        match = next((r for r in same if r["system_key"] == system), None)
+        if match:
+            return {"case": match["case"], "tokens_per_s": match["tokens_per_s"],
+                    "ratio": record["tokens_per_s"] / match["tokens_per_s"]}
+    ceiling = _ceiling(records, record["model_key"])
+    if ceiling is None:
+        return None
+    return {"case": ceiling["case"], "tokens_per_s": ceiling["tokens_per_s"],
+            "ratio": record["tokens_per_s"] / ceiling["tokens_per_s"]}

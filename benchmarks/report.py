@@ -1,0 +1,250 @@
+"""Summary table, target ratios and plots from a run: `python -m benchmarks.report DIR [--copy-to D]`.
+
+Reads DIR/results.jsonl, writes DIR/summary.md, DIR/throughput.png and DIR/bounds.png. With
+--copy-to it also copies them, plus one JSON file per case, into D (e.g. benchmarks/results), and
+with --readme it replaces the block between the result markers of that README with the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.records import HINTS, finalize
+
+PLOTS = ("throughput.png", "bounds.png")
+MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _by_case(records: list[dict]) -> dict[str, dict]:
+    return {r["case"]: r for r in records if r["ok"]}
+
+
+def _ratio(numerator: str, denominator: str) -> Callable[[dict[str, dict]], tuple[float, str] | None]:
+    """Throughput of one case over another's, with the first case's binding bound."""
+    def measure(ok: dict[str, dict]) -> tuple[float, str] | None:
+        if numerator not in ok or denominator not in ok:
+            return None
+        return ok[numerator]["tokens_per_s"] / ok[denominator]["tokens_per_s"], ok[numerator].get("binding")
+    return measure
+
+
+def _over_cpu_bound(name: str) -> Callable[[dict[str, dict]], tuple[float, str] | None]:
+    """Measured step time over the CPU-Adam bound of the same run."""
+    def measure(ok: dict[str, dict]) -> tuple[float, str] | None:
+        record = ok.get(name)
+        bound = (record or {}).get("bounds_s", {}).get("cpu_update")
+        if not bound:
+            return None
+        return record["step_s_mean"] / bound, record.get("binding")
+    return measure
+
+
+def _worst_exposed(ok: dict[str, dict]) -> tuple[float, str] | None:
+    """The largest exposed (transfer + update) share of the step among slide cases at >= 32k tokens."""
+    shares = []
+    for record in ok.values():
+        exposed = record.get("exposed_s") or {}
+        if record["system_key"] == "slide" and record["tokens_per_step"] >= 32768 \
+                and exposed.get("transfer") is not None and exposed.get("update") is not None:
+            shares.append(((exposed["transfer"] + exposed["update"]) / record["step_s_mean"], record))
+    if not shares:
+        return None
+    share, record = max(shares, key=lambda item: item[0])
+    return share, f"{record.get('binding')} ({record['case']})"
+
+
+#: (what, measure, goal, True when higher is better)
+TARGETS = [
+    ("8B, 24 GiB cap, 64x1024 tok/step vs the fwd+bwd ceiling (8B mb8, uncapped)",
+     _ratio("llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-capnone-ceiling"), 0.85, True),
+    ("3B mb8, 24 GiB cap vs deepspeed_stage_3_offload",
+     _ratio("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3"), 4.0, True),
+    ("8B at 8k tok/step: step time / CPU-Adam bound",
+     _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu"), 1.15, False),
+    ("exposed transfer + update / step at >= 32k tok/step (worst case)", _worst_exposed, 0.05, False),
+]
+
+
+def target_rows(records: list[dict]) -> list[dict]:
+    """One row per target: the measured value, the goal, whether it is met, and what binds."""
+    ok = _by_case(records)
+    rows = []
+    for what, measure, goal, higher in TARGETS:
+        got = measure(ok)
+        value, binding = got if got else (None, None)
+        met = None if value is None else (value >= goal if higher else value <= goal)
+        rows.append({"target": what, "value": value, "goal": f"{'>=' if higher else '<='} {goal:g}", "met": met,
+                     "binding": binding, "hint": None if met or not binding else HINTS.get(binding.split()[0])})
+    return rows
+
+
+def _f(value: object, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_f(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def targets_md(records: list[dict]) -> str:
+    rows = [[r["target"], r["value"], r["goal"], {True: "yes", False: "NO", None: "not measured"}[r["met"]],
+             r["binding"], r["hint"]] for r in target_rows(records)]
+    return _table(["target", "measured", "goal", "met", "binding bound", "what would move it"], rows)
+
+
+def cases_md(records: list[dict]) -> str:
+    """Every case that ran: throughput, memory and the three bounds next to the measured step."""
+    rows = []
+    for r in records:
+        if not r["ok"] or r["system_key"] == "probe":
+            continue
+        bounds, exposed = r.get("bounds_s") or {}, r.get("exposed_s") or {}
+        rows.append([r["case"], r["system"], r["tokens_per_step"], r["vram_cap_gib"], r["tokens_per_s"],
+                     r["step_s_mean"], r.get("tflops_6nt"), r.get("tflops_full"), r.get("peak_vram_alloc_gib"),
+                     r.get("peak_vram_reserved_gib"), r.get("peak_rss_gib"), bounds.get("gpu_compute"),
+                     bounds.get("pcie"), bounds.get("cpu_update"), r.get("binding"),
+                     _sum(exposed.get("transfer"), exposed.get("update"))])
+    header = ["case", "system", "tok/step", "cap GiB", "tok/s", "step s", "TFLOP/s 6NT", "TFLOP/s full",
+              "VRAM alloc GiB", "VRAM res GiB", "RSS GiB", "GPU bound s", "PCIe bound s", "CPU-Adam bound s",
+              "binds", "exposed s"]
+    return _table(header, rows)
+
+
+def _sum(*values: float | None) -> float | None:
+    return None if any(v is None for v in values) else sum(values)  # type: ignore[arg-type]
+
+
+def probe_md(records: list[dict]) -> str:
+    probe = next((r for r in records if r["system_key"] == "probe" and r["ok"]), None)
+    if probe is None:
+        return "No machine probe in this run: PCIe and CPU-Adam bounds are missing."
+    adam, pcie = probe["adam"], probe.get("pcie") or {}
+    return (f"Machine probe: CPU AdamW(fused) {adam['params_per_s'] / 1e9:.2f} Gparam/s "
+            f"({adam['threads']} threads, {adam['params']:.2g} params); pinned PCIe h2d "
+            f"{_f(pcie.get('h2d_gbs'), 1)} GB/s, d2h {_f(pcie.get('d2h_gbs'), 1)} GB/s, "
+            f"both ways {_f(pcie.get('bidir_gbs'), 1)} GB/s.")
+
+
+def ladders_md(records: list[dict]) -> str:
+    """Largest size each system ran per ladder, and the error that stopped it."""
+    chains: dict[str, dict] = {}
+    for r in records:
+        if r.get("chain"):
+            entry = chains.setdefault(r["chain"], {"largest": None, "stopped by": None})
+            if r["ok"]:
+                entry["largest"] = r["case"]
+            elif entry["stopped by"] is None and not str(r["error"]).startswith("skipped"):
+                entry["stopped by"] = f"{r['case']}: {str(r['error']).splitlines()[0][:160]}"
+    rows = [[chain, e["largest"], e["stopped by"]] for chain, e in chains.items()]
+    return _table(["ladder", "largest that ran", "first failure"], rows) if rows else ""
+
+
+def failures_md(records: list[dict]) -> str:
+    rows = [[r["case"], r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
+            for r in records if not r["ok"]]
+    return _table(["case", "system", "error"], rows) if rows else "None."
+
+
+def tables_md(records: list[dict]) -> str:
+    """The tables the README embeds (no header, no images)."""
+    parts = [probe_md(records), "### Targets", targets_md(records), "### Cases", cases_md(records)]
+    ladders = ladders_md(records)
+    if ladders:
+        parts += ["### Largest that fits under the cap", ladders]
+    parts += ["### Failed or not run (a result in its own right)", failures_md(records)]
+    return "\n\n".join(parts)
+
+
+def summary_md(records: list[dict]) -> str:
+    first = records[0] if records else {}
+    machine = first.get("machine", {})
+    gpu = next((r["machine"].get("gpu") for r in records if r.get("machine", {}).get("gpu")), "no GPU")
+    head = (f"# Benchmark summary\n\n{first.get('date')}, commit `{first.get('commit')}`; {gpu}, "
+            f"{machine.get('cpu')} ({machine.get('cpus')} CPUs, {_f(machine.get('ram_gib'), 0)} GiB); torch "
+            f"{machine.get('torch')}, transformers {machine.get('transformers')}, lightning "
+            f"{machine.get('lightning')}, deepspeed {machine.get('deepspeed')}.\n\nCommand: `{first.get('command')}`\n"
+            "TFLOP/s 6NT: " + str(first.get("flop_formula")) + "; full: " + str(first.get("flop_formula_full")))
+    plots = "\n\n![throughput](throughput.png)\n\n![step time vs bounds](bounds.png)\n"
+    return head + "\n\n" + tables_md(records) + plots
+
+
+def summary_text(records: list[dict]) -> str:
+    """A short plain-text view for the end of the run's output."""
+    lines = [f"{'case':<44} {'tok/s':>9} {'step s':>7}  error"]
+    for r in records:
+        if r["system_key"] == "probe":
+            continue
+        error = "" if r["ok"] else str(r["error"]).splitlines()[0][:70]
+        lines.append(f"{r['case']:<44} {_f(r.get('tokens_per_s')):>9} {_f(r.get('step_s_mean')):>7}  {error}")
+    lines += [f"target: {row['target']}: {_f(row['value'])} (goal {row['goal']}, binds: {row['binding']})"
+              for row in target_rows(records)]
+    return "\n".join(lines)
+
+
+def write(out: Path, records: list[dict]) -> None:
+    """summary.md and the plots into `out` (plots are skipped with a note if matplotlib is missing)."""
+    (out / "summary.md").write_text(summary_md(records))
+    try:
+        from benchmarks.plots import plot_bounds, plot_throughput
+    except ImportError as error:
+        print(f"plots skipped: {error}")
+        return
+    plot_throughput(records, out / PLOTS[0])
+    plot_bounds(records, out / PLOTS[1])
+
+
+def load(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()]
+
+
+def copy_results(src: Path, dest: Path, records: list[dict]) -> None:
+    """The run's files plus one `<case>.json` per case (the form RESULTS.md asks for) into `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("results.jsonl", "summary.md", *PLOTS):
+        if (src / name).exists():
+            shutil.copy2(src / name, dest / name)
+    for record in records:
+        (dest / f"{record['case']}.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def update_readme(readme: Path, records: list[dict]) -> None:
+    """Replace the text between the result markers of a README with this run's tables."""
+    text = readme.read_text()
+    if MARK_START not in text or MARK_END not in text:
+        raise SystemExit(f"{readme} has no {MARK_START} ... {MARK_END} block to fill")
+    before, rest = text.split(MARK_START, 1)
+    after = rest.split(MARK_END, 1)[1]
+    readme.write_text(f"{before}{MARK_START}\n{tables_md(records)}\n{MARK_END}{after}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir", type=Path, help="a run's output folder (holding results.jsonl)")
+    parser.add_argument("--copy-to", type=Path, help="also copy the results there (e.g. benchmarks/results)")
+    parser.add_argument("--readme", type=Path, help="README whose result block gets this run's tables")
+    args = parser.parse_args(argv)
+    records = load(args.dir)
+    finalize(records)
+    write(args.dir, records)
+    if args.copy_to:
+        copy_results(args.dir, args.copy_to, records)
+    if args.readme:
+        update_readme(args.readme, records)
+    print(summary_text(records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Step timing with no synchronisation on the measured path (worker side: imports torch).
+
+`tick()` is called at the end of every step. It only reads the host clock and, on CUDA, records an
+event on the current stream: neither waits for the GPU. The device is synchronised exactly twice,
+when the warm-up ends and when the last timed step ends, so the window's wall time is exact and
+tokens/s = timed steps x tokens per step / window. Per-step times come from the events (the GPU
+timeline, which also shows any gap where the GPU waited for the host); on the CPU from the host clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class WindowClock:
+    """Counts steps; times the `steps` that follow `warmup` untimed ones."""
+
+    def __init__(self, warmup: int, steps: int, device: torch.device) -> None:
+        self.warmup, self.steps, self.device = warmup, steps, device
+        self.ticks = 0
+        self.host: list[float] = []
+        self.events: list[torch.cuda.Event] = []
+        self.window_s: float | None = None
+        self.first_step_at = 0.0
+        self.on_window_start: Callable[[], None] | None = None
+        self.on_window_end: Callable[[], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.ticks >= self.warmup + self.steps
+
+    def tick(self) -> None:
+        """End of one step: mark it; at the window's two ends, synchronise once and call the hooks."""
+        self.ticks += 1
+        if self.ticks == 1:
+            self.first_step_at = time.perf_counter()
+        if self.ticks < self.warmup or self.ticks > self.warmup + self.steps:
+            return
+        at_end = self.ticks == self.warmup + self.steps
+        if self.ticks == self.warmup or at_end:
+            self._sync()
+        self.host.append(time.perf_counter())
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        hook = self.on_window_start if self.ticks == self.warmup else self.on_window_end if at_end else None
+        if hook is not None:
+            hook()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def summary(self, tokens_per_step: int) -> dict:
+        """tokens/s over the window and step-time percentiles (needs the window to be complete)."""
+        if not self.done:
+            raise RuntimeError(f"timing window incomplete: {self.ticks} of {self.warmup + self.steps} steps ran")
+        window = self.host[-1] - self.host[0]
+        host_steps = [b - a for a, b in zip(self.host, self.host[1:])]
+        steps = ([a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:])]
+                 if self.events else host_steps)
+        deciles = statistics.quantiles(steps, n=10, method="inclusive")
+        return {
+            "tokens_per_s": self.steps * tokens_per_step / window,
+            "step_s_mean": window / self.steps,
+            "step_s_median": statistics.median(steps),
+            "step_s_p10": deciles[0],
+            "step_s_p90": deciles[-1],
+            "timed_steps": self.steps,
+            "warmup_steps": self.warmup,
+            "step_times_s": steps,
+            "host_step_times_s": host_steps,
+            "step_time_source": "cuda events" if self.events else "host clock",
+        }
