@@ -1,0 +1,16 @@
+"""lightning-slide: full-parameter LLM fine-tuning on one GPU, as a Lightning strategy.
+
+Importing the package registers ``Trainer(strategy="slideformer")``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_slide.config import SlideConfig
+from lightning_slide.engine import SlideEngine
+from lightning_slide.precision import SlidePrecision
+from lightning_slide.strategy import SlideStrategy
+
+if SlideStrategy.strategy_name not in StrategyRegistry:
+    SlideStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["SlideConfig", "SlideEngine", "SlidePrecision", "SlideStrategy"]

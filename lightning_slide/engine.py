@@ -1,0 +1,511 @@
+"""The sliding engine: trains a model larger than the GPU by streaming units through a window of GPU slots.
+
+Each intercepted module call (a *part* of a unit) runs as one autograd node. Its forward loads the unit's
+weights into a slot, computes under no-grad and keeps only the part's input. Its backward fetches that
+input back, recomputes the part with its weights as fresh leaves, writes the weight gradients into the
+slot, and, once every part of a unit is done, hands the unit's gradient to the copy thread and Layer-Adam.
+The engine imports no Lightning: the strategy (or any plain loop) drives it through `begin_step`,
+`end_step`, `synchronize` and the state methods.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_slide.activations import ActivationStore, Saved
+from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
+from lightning_slide.config import SlideConfig
+from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
+from lightning_slide.storage import UnitStorage
+from lightning_slide.streams import Lane
+from lightning_slide.threads import Failure
+from lightning_slide.transfer import Dispatch, GradPump, LandingRing
+from lightning_slide.window import Slot, Window
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One parameter as a part uses it: where it lives in its owner unit's slot."""
+
+    module: nn.Module
+    name: str
+    param: nn.Parameter
+    owner: int
+    offset: int
+    trainable: bool
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.param.numel()].view(self.param.shape)
+
+
+@dataclass
+class Part:
+    unit: int
+    module: nn.Module
+    forward: Any  # the module's own forward, called with slot tensors bound in place of its parameters
+    bindings: list[Binding]
+    needs_rng: bool
+    own_forward: Any = None  # an instance-level forward that was there before ours (e.g. a kernel patch)
+
+    @property
+    def owners(self) -> list[int]:
+        return sorted({b.owner for b in self.bindings} | {self.unit})
+
+    @property
+    def trainable_owners(self) -> list[int]:
+        return sorted({b.owner for b in self.bindings if b.trainable})
+
+
+@contextmanager
+def _bound(bindings: list[Binding], tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Temporarily let each module see a slot tensor where its parameter is."""
+    for b, t in zip(bindings, tensors):
+        b.module._parameters[b.name] = t
+    try:
+        yield
+    finally:
+        for b in bindings:
+            b.module._parameters[b.name] = b.param
+
+
+class _PartFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: "_Call", anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        outputs = call.forward(inputs)
+        ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, *ctx.call.backward(grads))
+
+
+class _Call:
+    """One forward call of a part, remembered (its input only) until its backward."""
+
+    def __init__(self, engine: "SlideEngine", part: Part, args: tuple, kwargs: dict) -> None:
+        self.engine, self.part = engine, part
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.grad_positions = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        self.saved: list[Saved] = []
+        self.prev: weakref.ref | None = None
+        self.out_leaves: list[Any] = []
+        self.out_spec = None
+
+    def grad_inputs(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.grad_positions]
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        engine = self.engine
+        slots = engine._enter(self.part, +1)
+        self.saved = [engine.activations.save(engine._tape_position, x.detach()) for x in inputs]
+        self.autocast = _autocast_state(engine.device)
+        self.rng = _rng_state(engine.device) if self.part.needs_rng else None
+        out = engine._compute(self.part, slots, self.leaves, self.spec, {})
+        engine._leave(self.part, slots, +1)
+        self.out_leaves, self.out_spec = tree_flatten(out)
+        return tuple(x for x in self.out_leaves if isinstance(x, torch.Tensor))
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self.out_leaves]
+        return tree_unflatten(leaves, self.out_spec)
+
+    def prefetch(self) -> None:
+        for s in self.saved:
+            s.prefetch()
+
+    def backward(self, grad_outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        engine, part = self.engine, self.part
+        slots = engine._enter(part, -1)
+        prev = self.prev() if self.prev is not None else None
+        if prev is not None:
+            prev.prefetch()
+        inputs = [s.get().detach().requires_grad_(True) for s in self.saved]
+        leaves = list(self.leaves)
+        for i, x in zip(self.grad_positions, inputs):
+            leaves[i] = x
+        trainable = [b for b in part.bindings if b.trainable]
+        weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in trainable}
+        with torch.enable_grad(), _restored(self.autocast, self.rng, engine.device):
+            out = engine._compute(part, slots, leaves, self.spec, weights)
+        pairs = [
+            (o, g)
+            for o, g in zip((x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)), grad_outputs)
+            if g is not None and o.requires_grad
+        ]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], [*inputs, *weights.values()], [g for _, g in pairs], allow_unused=True
+        )
+        engine._store_grads(part, slots, trainable, grads[len(inputs) :])
+        engine._leave(part, slots, -1)
+        self.saved = []
+        return list(grads[: len(inputs)])
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def _restored(autocast: tuple[bool, torch.dtype], rng: tuple | None, device: torch.device) -> Iterator[None]:
+    """Recompute under the autocast and RNG state of the original forward (dropout masks must match)."""
+    with ExitStack() as stack:
+        stack.enter_context(torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]))
+        if rng is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], device)
+        yield
+
+
+class SlideEngine:
+    """Owns the flat host storage, the GPU window, the copy and optimizer threads, and the schedule.
+
+    Args:
+        root: the module to train (a LightningModule or an HF causal LM); must contain one causal LM that
+            holds every parameter.
+        optimizer: a torch Adam/AdamW over root's parameters, or None for evaluation only.
+        config: the window, tier and chunking settings.
+        device: the compute device (CUDA, or the CPU fallback).
+        dtype: the dtype weights are computed in (bf16 for bf16 precisions, fp32 for 32-true).
+        clip_norm: global gradient-norm clipping threshold, or None.
+        accumulate: gradients of several backwards are summed before an update (needs host sums).
+        deferred: updates wait for `end_step` (manual optimization: backward runs before the step is known).
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        optimizer: Optimizer | None,
+        config: SlideConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        clip_norm: float | None = None,
+        accumulate: bool = False,
+        deferred: bool = False,
+    ) -> None:
+        self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
+        self.failure = Failure()
+        self.clip_norm = clip_norm
+        self.deferred = deferred or clip_norm is not None
+        self.needs_acc = accumulate or self.deferred
+        self.model = find_causal_lm(root)
+        _check_all_parameters_inside(root, self.model)
+        self._prepare_model()
+        specs = causal_lm_units(self.model)
+        group_of = _group_index(optimizer, root) if optimizer is not None else {}
+        owned, self.parts = self._assign(specs, group_of)
+        self.storages = [UnitStorage(i, spec.name, owned[i], group_of) for i, spec in enumerate(specs)]
+        self._add_host_state(optimizer)
+        self._move_buffers(root)
+        self.compute = Lane(device, side=False)
+        self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
+        self.adam = LayerAdam(self.storages, self.failure)
+        training = optimizer is not None
+        self.window = Window(self.storages, [s.dedicated for s in specs], config.slots, dtype, device, self.h2d,
+                             self.adam, training, config.chunk_elems)
+        pin = device.type == "cuda"
+        self.pump = GradPump(LandingRing(config.grad_buffers, config.chunk_elems, pin, self.failure), self.d2h,
+                             self.adam, self.failure) if training else None
+        self.activations = ActivationStore(config.activations == "cpu", device, self.compute, self.h2d, self.d2h)
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self._pending = [0] * len(self.storages)
+        self._written: set[int] = set()
+        self._receiving: set[int] = set()
+        self._plan: StepPlan | None = None
+        self._dispatched = 0
+        self._step = 0
+        self._step_tensor = torch.tensor(0.0)
+        self._tape_position = 0
+        self._last_call: weakref.ref | None = None
+        self.wait_grads_s = 0.0
+        self.wait_drain_s = 0.0
+        if optimizer is not None:
+            self._bind_optimizer_state()
+        for part in self.parts:
+            part.module.forward = partial(self._forward, part)
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _prepare_model(self) -> None:
+        """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training."""
+        if getattr(self.model, "is_activation_checkpointing", getattr(self.model, "is_gradient_checkpointing", False)):
+            self.model.gradient_checkpointing_disable()
+        if getattr(self.model.config, "use_cache", False):
+            self.model.config.use_cache = False
+
+    def _assign(self, specs: list, group_of: dict[int, int]) -> tuple[list[list[nn.Parameter]], list[Part]]:
+        """Give each parameter to the first unit that uses it, and describe every part's bindings."""
+        owner: dict[int, int] = {}
+        owned: list[list[nn.Parameter]] = [[] for _ in specs]
+        for u, spec in enumerate(specs):
+            for module in spec.parts:
+                for p in module.parameters():
+                    if id(p) not in owner:
+                        owner[id(p)] = u
+                        owned[u].append(p)
+        return owned, [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
+
+    def _part(self, unit: int, module: nn.Module, owner: dict[int, int], group_of: dict[int, int]) -> Part:
+        bindings = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
+        needs_rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()) or (
+            float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0
+        )
+        part = Part(unit, module, module.forward, [], needs_rng, module.__dict__.get("forward"))
+        part.bindings = [Binding(m, n, p, owner[id(p)], -1, id(p) in group_of) for m, n, p in bindings]
+        return part
+
+    def _add_host_state(self, optimizer: Optimizer | None) -> None:
+        offsets = {id(p): s.offsets[id(p)] for s in self.storages for p in s.params}
+        for part in self.parts:
+            part.bindings = [
+                Binding(b.module, b.name, b.param, b.owner, offsets[id(b.param)], b.trainable) for b in part.bindings
+            ]
+        amsgrad = optimizer is not None and any(g["amsgrad"] for g in optimizer.param_groups)
+        for s in self.storages:
+            if self.config.h2d_source == "shadow" and self.dtype != torch.float32:
+                s.add_shadow(self.dtype)
+            if self.needs_acc and optimizer is not None:
+                s.add_grad_accumulator()
+            if amsgrad:
+                s.add_amsgrad_state()
+
+    def _move_buffers(self, root: nn.Module) -> None:
+        for m in root.modules():
+            for name, buf in m._buffers.items():
+                if buf is not None:
+                    m._buffers[name] = buf.to(self.device)
+
+    def _bind_optimizer_state(self) -> None:
+        """Expose the flat Adam state as torch's own per-parameter state (so state_dict() is standard)."""
+        self._step_tensor = torch.tensor(float(self._step))
+        for s in self.storages:
+            for p in (q for q in s.params if s.offsets[id(q)] < s.trainable_numel):
+                state = {"step": self._step_tensor, "exp_avg": s.view(s.exp_avg, p), "exp_avg_sq": s.view(s.exp_avg_sq, p)}
+                if s.max_exp_avg_sq is not None:
+                    state["max_exp_avg_sq"] = s.view(s.max_exp_avg_sq, p)
+                self.optimizer.state[p] = state
+
+    # ---------------------------------------------------------------------------------- the schedule
+    def _forward(self, part: Part, *args: Any, **kwargs: Any) -> Any:
+        self.failure.check()
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            if torch.is_grad_enabled():
+                raise ValueError("slideformer trains without a KV cache: call the model with use_cache=False.")
+        call = _Call(self, part, args, kwargs)
+        if not (torch.is_grad_enabled() and (part.trainable_owners or call.grad_positions)):
+            return call.rebuild(call.forward(()))
+        call.prev = self._last_call
+        outputs = _PartFunction.apply(call, self._anchor, *call.grad_inputs())
+        self._last_call = weakref.ref(call)
+        self._tape_position += 1
+        for u in part.trainable_owners:
+            self._pending[u] += 1
+        return call.rebuild(outputs)
+
+    def _enter(self, part: Part, direction: int) -> dict[int, Slot]:
+        protect = set(part.owners)
+        slots = {u: self.window.ensure(u, part.unit, direction, protect) for u in part.owners}
+        for slot in slots.values():
+            self.compute.wait(slot.loaded)
+        return slots
+
+    def _leave(self, part: Part, slots: dict[int, Slot], direction: int) -> None:
+        done = self.compute.record()
+        for slot in slots.values():
+            slot.params_free = done
+        ahead = range(part.unit + direction, part.unit + direction * self.config.slots, direction)
+        protect = set(part.owners)
+        for u in (u for u in ahead if 0 <= u < len(self.storages)):
+            protect.add(u)
+            self.window.ensure(u, part.unit, direction, protect)
+
+    def _compute(self, part: Part, slots: dict[int, Slot], leaves: list, spec: Any, weights: dict) -> Any:
+        tensors = [weights.get(id(b)) if id(b) in weights else b.view(slots[b.owner].params) for b in part.bindings]
+        with _bound(part.bindings, tensors):
+            args, kwargs = tree_unflatten(leaves, spec)
+            return part.forward(*args, **kwargs)
+
+    def _store_grads(
+        self, part: Part, slots: dict[int, Slot], bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]
+    ) -> None:
+        for u in part.trainable_owners:
+            if u not in self._receiving:
+                self._receiving.add(u)
+                self.wait_grads_s += self.failure.wait(slots[u].grads_idle.is_set, "a free gradient slot")
+                self.compute.wait(slots[u].grads_free)
+        for b, g in zip(bindings, grads):
+            dst = b.view(slots[b.owner].grads)
+            first = id(b.param) not in self._written
+            self._written.add(id(b.param))
+            if g is None:
+                if first:
+                    dst.zero_()
+            elif first:
+                dst.copy_(g)
+            else:
+                dst.add_(g)
+        for u in part.trainable_owners:
+            self._pending[u] -= 1
+            if self._pending[u] == 0:
+                self._dispatch(u, slots[u])
+
+    def _dispatch(self, unit: int, slot: Slot) -> None:
+        """A unit's gradient is complete: send it to the optimizer (update now, or accumulate)."""
+        storage = self.storages[unit]
+        update = self._plan is not None and not self.deferred
+        if update:
+            self.adam.schedule(unit)
+            self._dispatched += 1
+        slot.grads_idle.clear()
+        self._receiving.discard(unit)
+        self._written.difference_update(id(p) for p in storage.params)
+        self.pump.put(Dispatch(unit, slot.grads[: storage.trainable_numel], self.compute.record(), self._plan,
+                               self.needs_acc, update, slot.release_grads))
+
+    # ------------------------------------------------------------------------------ the step protocol
+    def new_micro_batch(self) -> None:
+        """Forget a graph that was never backpropagated (its parts will not report back)."""
+        if any(self._pending):
+            self._pending = [0] * len(self.storages)
+            self._written.clear()
+            self._receiving.clear()
+        self._tape_position = 0
+        self._last_call = None
+
+    def begin_step(self) -> None:
+        """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
+        self.failure.check()
+        self._plan = snapshot(self.optimizer, self._step + 1, self.clip_norm)
+        self._dispatched = 0
+
+    def end_step(self) -> None:
+        plan, self._plan = self._plan, None
+        if any(self._pending):
+            missing = [self.storages[u].name for u, n in enumerate(self._pending) if n]
+            raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
+        if not self.deferred and self._dispatched == 0:
+            raise RuntimeError(
+                "No backward ran in this optimizer step (did training_step return None?). Skipping a step by "
+                "returning None is not supported by the slideformer strategy."
+            )
+        self._step += 1
+        if self.deferred:
+            self._launch_deferred(plan)
+
+    def _launch_deferred(self, plan: StepPlan) -> None:
+        """All gradients summed on the host: clip by the global norm, then update in forward order."""
+        self.wait_drain_s += self._drain()
+        if plan.clip_norm is not None:
+            coef = plan.clip_norm / (math.sqrt(plan.sq_norm) + 1e-6)
+            if coef < 1.0:
+                plan.grad_scale = torch.tensor(1.0 / coef)
+        for u, s in enumerate(self.storages):
+            if s.trainable_numel:
+                self.adam.schedule(u)
+                self.adam.put(DeferredUpdate(u, plan))
+
+    def _drain(self) -> float:
+        waited = self.failure.wait(self.pump.worker.idle, "the gradient copies") if self.pump else 0.0
+        return waited + self.adam.drain()
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy and update (before reading weights or optimizer state)."""
+        self.wait_drain_s += self._drain()
+        self._step_tensor.fill_(float(self._step))
+
+    # -------------------------------------------------------------------------------------- state
+    def master_changed(self) -> None:
+        """The fp32 master weights were overwritten (e.g. load_state_dict): reload every slot."""
+        self.synchronize()
+        for s in self.storages:
+            if s.shadow is not None:
+                s.shadow.copy_(s.master)
+        self.window.reset()
+
+    def load_optimizer_state(self, state_dict: dict) -> None:
+        """Load a torch Adam state_dict into the flat state (keeps torch's own id/group mapping)."""
+        self.synchronize()
+        self.optimizer.load_state_dict(state_dict)
+        steps = []
+        for s in self.storages:
+            for p in s.params:
+                state = self.optimizer.state.get(p)
+                if not state or s.offsets[id(p)] >= s.trainable_numel:
+                    continue
+                for key, flat in (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq), ("max_exp_avg_sq", s.max_exp_avg_sq)):
+                    if flat is not None and key in state:
+                        s.view(flat, p).copy_(state[key])
+                steps.append(int(state["step"]))
+        self._step = max(steps, default=0)
+        self._bind_optimizer_state()
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative transfer and overlap figures (bytes moved, thread busy time, exposed waits)."""
+        return {
+            "steps": self._step,
+            "h2d_bytes": self.window.bytes + self.activations.bytes_in,
+            "d2h_bytes": (self.pump.bytes if self.pump else 0) + self.activations.bytes_out,
+            "update_busy_s": self.adam.worker.busy_s,
+            "copy_busy_s": self.pump.worker.busy_s if self.pump else 0.0,
+            "wait_update_s": self.window.wait_s,
+            "wait_grads_s": self.wait_grads_s,
+            "wait_drain_s": self.wait_drain_s,
+        }
+
+    def close(self) -> None:
+        """Stop the threads, restore the modules, unpin host memory and drop GPU slots."""
+        for worker in (self.pump.worker if self.pump else None, self.adam.worker):
+            if worker is not None:
+                worker.stop()
+        for part in self.parts:
+            part.module.__dict__.pop("forward", None)
+            if part.own_forward is not None:
+                part.module.forward = part.own_forward
+        for s in self.storages:
+            s.release()
+        self.window = None  # type: ignore[assignment]
+
+
+def _group_index(optimizer: Optimizer, root: nn.Module) -> dict[int, int]:
+    """param id -> index of its optimizer group, for trainable params; checks the optimizer fits the model."""
+    validate_optimizer(optimizer)
+    in_model = {id(p) for p in root.parameters()}
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in in_model:
+                raise ValueError("The optimizer holds a parameter that is not part of the model being trained.")
+            if id(p) in group_of:
+                raise ValueError("A parameter appears in two optimizer param groups.")
+            if p.requires_grad:
+                group_of[id(p)] = g
+    return group_of
+
+
+def _check_all_parameters_inside(root: nn.Module, model: nn.Module) -> None:
+    inside = {id(p) for p in model.parameters()}
+    outside = [n for n, p in root.named_parameters() if id(p) not in inside]
+    if outside:
+        raise UnsupportedModelError(
+            f"Parameters outside the causal LM are not supported by slideformer: {outside[:5]}. Keep every "
+            "trainable weight inside the transformers model."
+        )

@@ -1,0 +1,195 @@
+"""Layer-Adam: the CPU optimizer thread that updates one unit (chunk) at a time with torch's fused AdamW.
+
+The math is torch's own (`torch._fused_adamw_` / `torch._fused_adam_`, the kernels behind
+`torch.optim.AdamW(fused=True)`, 4x faster than foreach on the CPU), applied per contiguous param-group
+segment of a unit's flat buffer. Hyperparameters are snapshotted when a step is launched, because Lightning
+steps the LR scheduler while this thread may still be updating that step's units.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim import Adam, AdamW, Optimizer
+
+from lightning_slide.storage import UnitStorage
+from lightning_slide.streams import host_wait
+from lightning_slide.threads import Failure, Worker
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    amsgrad: bool
+    maximize: bool
+
+
+@dataclass
+class StepPlan:
+    """Everything one optimizer step needs, frozen at launch."""
+
+    step: int
+    groups: list[GroupHyper]
+    clip_norm: float | None = None
+    step_tensor: torch.Tensor = field(init=False)
+    grad_scale: torch.Tensor | None = None  # 1 / clip coefficient, once the global norm is known
+    sq_norm: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.step_tensor = torch.tensor(float(self.step))
+
+    def add_sq_norm(self, grad: torch.Tensor) -> None:
+        value = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        with self._lock:
+            self.sq_norm += value
+
+
+def snapshot(optimizer: Optimizer, step: int, clip_norm: float | None) -> StepPlan:
+    groups = [
+        GroupHyper(
+            lr=float(g["lr"]),
+            beta1=float(g["betas"][0]),
+            beta2=float(g["betas"][1]),
+            eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]),
+            decoupled=bool(g.get("decoupled_weight_decay", isinstance(optimizer, AdamW))),
+            amsgrad=bool(g["amsgrad"]),
+            maximize=bool(g["maximize"]),
+        )
+        for g in optimizer.param_groups
+    ]
+    return StepPlan(step, groups, clip_norm)
+
+
+def validate_optimizer(optimizer: Optimizer) -> None:
+    """Only what Layer-Adam reproduces exactly may pass."""
+    if not isinstance(optimizer, Adam):
+        raise TypeError(
+            f"The slideformer strategy runs the optimizer step itself and supports torch.optim.AdamW and "
+            f"torch.optim.Adam; got {type(optimizer).__name__}. Return `torch.optim.AdamW(...)` from "
+            "configure_optimizers (param groups and any LR scheduler are fine)."
+        )
+    for g in optimizer.param_groups:
+        if g.get("capturable") or g.get("differentiable"):
+            raise ValueError("Adam(capturable=True) / Adam(differentiable=True) are not supported by slideformer.")
+
+
+def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
+    """AdamW over [start, start + len(grad)) of a unit's trainable range, one fused call per group segment."""
+    end = start + grad.numel()
+    for seg in storage.segments:
+        a, b = max(start, seg.start), min(end, seg.end)
+        if a >= b:
+            continue
+        h = plan.groups[seg.group]
+        update = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+        update(
+            [storage.master[a:b]],
+            [grad[a - start : b - start]],
+            [storage.exp_avg[a:b]],
+            [storage.exp_avg_sq[a:b]],
+            [storage.max_exp_avg_sq[a:b]] if h.amsgrad else [],
+            [plan.step_tensor],
+            amsgrad=h.amsgrad,
+            lr=h.lr,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            weight_decay=h.weight_decay,
+            eps=h.eps,
+            maximize=h.maximize,
+            grad_scale=plan.grad_scale,
+            found_inf=None,
+        )
+    if storage.shadow is not None:
+        storage.shadow[start:end].copy_(storage.master[start:end])
+
+
+@dataclass
+class GradChunk:
+    """A slice of one unit's gradient that has landed (or is landing) in a pinned host buffer."""
+
+    unit: int
+    start: int
+    grad: torch.Tensor
+    ready: object  # event to wait on before reading `grad` (None on the CPU)
+    release: object  # callable returning the landing buffer
+    plan: StepPlan | None
+    accumulate: bool
+    update: bool
+    last: bool
+
+
+@dataclass
+class DeferredUpdate:
+    """Update a whole unit from its accumulated gradient (after clipping or manual optimization)."""
+
+    unit: int
+    plan: StepPlan
+
+
+class LayerAdam:
+    """Owns the unit storages' optimizer state and the thread that updates them.
+
+    `scheduled[u]` counts updates launched for unit u, `applied[u]` those finished: a unit's weights may be
+    loaded for compute only when the two agree.
+    """
+
+    def __init__(self, storages: list[UnitStorage], failure: Failure) -> None:
+        self.storages = storages
+        self.failure = failure
+        self.scheduled = [0] * len(storages)
+        self.applied = [0] * len(storages)
+        self._acc_fresh = [True] * len(storages)
+        self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
+
+    def schedule(self, unit: int) -> None:
+        self.scheduled[unit] += 1
+
+    def put(self, item: GradChunk | DeferredUpdate) -> None:
+        self.worker.put(item)
+
+    def wait_applied(self, unit: int) -> float:
+        return self.failure.wait(lambda: self.applied[unit] >= self.scheduled[unit], f"the update of unit {unit}")
+
+    def drain(self) -> float:
+        return self.failure.wait(self.worker.idle, "the optimizer thread")
+
+    def _handle(self, item: GradChunk | DeferredUpdate) -> None:
+        if isinstance(item, DeferredUpdate):
+            storage = self.storages[item.unit]
+            adam_(storage, item.plan, 0, storage.grad_acc)
+            self._finish(item.unit)
+            return
+        host_wait(item.ready)
+        grad = item.grad
+        if item.accumulate:
+            grad = self._accumulate(item)
+        if item.update:
+            adam_(self.storages[item.unit], item.plan, item.start, grad)
+        item.release()
+        if item.update and item.last:
+            self._finish(item.unit)
+
+    def _accumulate(self, item: GradChunk) -> torch.Tensor:
+        acc = self.storages[item.unit].grad_acc[item.start : item.start + item.grad.numel()]
+        if self._acc_fresh[item.unit]:
+            acc.copy_(item.grad)
+        else:
+            acc.add_(item.grad)
+        if item.last:
+            self._acc_fresh[item.unit] = False
+        if item.plan is not None and item.plan.clip_norm is not None:
+            item.plan.add_sq_norm(acc)
+        return acc
+
+    def _finish(self, unit: int) -> None:
+        self._acc_fresh[unit] = True
+        self.applied[unit] += 1

@@ -1,0 +1,81 @@
+"""The precision plugin of the slideformer strategy: weights are computed in bf16 (or fp32) from fp32 masters.
+
+Lightning's own plugins would cast the module (destroying the fp32 master) or step the optimizer
+themselves; this one leaves both to the engine and only frames each optimizer step for it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
+
+import torch
+from lightning.fabric.utilities.types import Steppable
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities import apply_to_collection
+from torch import nn
+
+import lightning_slide.engine as engine_module
+
+SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class SlidePrecision(Precision):
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in SUPPORTED:
+            raise ValueError(_unsupported(precision))
+        self.precision = precision  # type: ignore[assignment]
+        self.engine: engine_module.SlideEngine | None = None
+        self.device_type = "cpu"
+
+    @classmethod
+    def adopt(cls, plugin: Precision) -> "SlidePrecision":
+        """Turn the plugin Lightning built from `Trainer(precision=...)` into ours, or say why not."""
+        if isinstance(plugin, SlidePrecision):
+            return plugin
+        if type(plugin) in (Precision, MixedPrecision, HalfPrecision):
+            return cls(str(plugin.precision))
+        raise ValueError(f"The slideformer strategy cannot use the {type(plugin).__name__} plugin. {_unsupported('')}")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+
+    def forward_context(self) -> ContextManager:
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Steppable, model: nn.Module, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """The backward inside `closure` ends an accumulation window: the engine updates as gradients arrive."""
+        engine = self.engine
+        engine.begin_step()
+        result = closure()
+        self._after_closure(model, optimizer)
+        engine.end_step()
+        return result
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """The engine clips by the global norm on the host before any update (configured at setup)."""
+
+
+def _unsupported(precision: str) -> str:
+    hint = (
+        "fp16 needs loss scaling with skipped steps, which per-unit eager updates cannot undo; "
+        if precision.startswith("16")
+        else ""
+    )
+    return f"Unsupported precision {precision!r} for slideformer: {hint}use one of {list(SUPPORTED)} (bf16-mixed on GPUs)."

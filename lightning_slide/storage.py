@@ -1,0 +1,103 @@
+"""Flat host storage of one unit: fp32 master weights and Adam state, with module parameters as views.
+
+One contiguous buffer per unit means one DMA per load, one fused Adam call per parameter group, and no
+fragmentation. Parameters are laid out grouped by optimizer param group (frozen ones last) so that every
+group is one contiguous segment of the buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous range of a unit's buffer that belongs to one optimizer param group."""
+
+    group: int
+    start: int
+    end: int
+
+
+def pin_(tensor: torch.Tensor) -> bool:
+    """Page-lock an existing host tensor in place (cudaHostRegister: ~5x faster than pin_memory=True)."""
+    if not torch.cuda.is_available() or tensor.numel() == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    return int(err) == 0
+
+
+def unpin_(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(tensor.data_ptr()).value)
+
+
+class UnitStorage:
+    """Host-side state of one unit.
+
+    `master` holds every parameter the unit owns (fp32); `exp_avg`/`exp_avg_sq` cover the trainable prefix.
+    After construction each owned `nn.Parameter` is a view into `master`, so the user's optimizer, the
+    module's state_dict and the checkpoint all see the master weights without a copy.
+    """
+
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], group_of: dict[int, int]) -> None:
+        self.index, self.name = index, name
+        trainable = sorted((p for p in params if id(p) in group_of), key=lambda p: group_of[id(p)])
+        frozen = [p for p in params if id(p) not in group_of]
+        self.params = trainable + frozen
+        self.offsets: dict[int, int] = {}
+        self.segments: list[Segment] = []
+        offset = 0
+        for p in self.params:
+            self.offsets[id(p)] = offset
+            if id(p) in group_of:
+                group = group_of[id(p)]
+                if self.segments and self.segments[-1].group == group:
+                    self.segments[-1] = Segment(group, self.segments[-1].start, offset + p.numel())
+                else:
+                    self.segments.append(Segment(group, offset, offset + p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        self.trainable_numel = self.segments[-1].end if self.segments else 0
+        self.master = self._adopt(self.params)
+        self.pinned = pin_(self.master)
+        self.exp_avg = torch.zeros(self.trainable_numel)
+        self.exp_avg_sq = torch.zeros(self.trainable_numel)
+        self.max_exp_avg_sq: torch.Tensor | None = None
+        self.shadow: torch.Tensor | None = None
+        self.grad_acc: torch.Tensor | None = None
+
+    def _adopt(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Copy parameters into one buffer and repoint them at it; frees each original as it goes."""
+        master = torch.empty(self.numel, dtype=torch.float32)
+        for p in params:
+            view = self.view(master, p)
+            with torch.no_grad():
+                view.copy_(p.detach().reshape(view.shape))
+            p.data = view
+        return master
+
+    def view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        start = self.offsets[id(p)]
+        return flat[start : start + p.numel()].view(p.shape)
+
+    def add_shadow(self, dtype: torch.dtype) -> None:
+        """A pinned low-precision copy that loads read instead of the fp32 master (refreshed after updates)."""
+        self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self.shadow.copy_(self.master)
+
+    def add_grad_accumulator(self) -> None:
+        """fp32 gradient sums for accumulation windows and global-norm clipping (+4 B/param of RAM)."""
+        self.grad_acc = torch.empty(self.trainable_numel)
+
+    def add_amsgrad_state(self) -> None:
+        self.max_exp_avg_sq = torch.zeros(self.trainable_numel)
+
+    def release(self) -> None:
+        """Unpin the master; parameters stay valid views of (now pageable) host memory."""
+        if self.pinned:
+            unpin_(self.master)
+            self.pinned = False

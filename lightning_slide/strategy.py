@@ -1,0 +1,191 @@
+"""`SlideStrategy`: Lightning's face of the sliding engine (`Trainer(strategy="slideformer")`).
+
+The LightningModule's parameters stay on the host as fp32 masters (views into the engine's flat storage),
+so `configure_optimizers`, LR schedulers, `state_dict` and checkpoints see ordinary CPU tensors; only the
+engine moves weights to the GPU, one unit at a time, and runs the optimizer on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Generator, Mapping
+from contextlib import contextmanager
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_slide.config import SlideConfig
+from lightning_slide.engine import SlideEngine
+from lightning_slide.precision import SlidePrecision
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes to a temporary file and renames it into place, so a crash never leaves a torn checkpoint."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+class SlideStrategy(SingleDeviceStrategy):
+    """Full-parameter training of a causal LM larger than the GPU: layers slide through a GPU window.
+
+    Keyword settings are the fields of :class:`lightning_slide.config.SlideConfig` (``offload``, ``slots``,
+    ``activations``, ``h2d_source``, ...). The Trainer's ``precision`` flag is honoured
+    (``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``).
+    """
+
+    strategy_name = "slideformer"
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        **settings: Any,
+    ) -> None:
+        self.config = SlideConfig.from_kwargs(**settings)
+        if self.config.offload != "cpu":
+            raise NotImplementedError(
+                f"offload={self.config.offload!r} is not available yet: use offload='cpu' with this strategy, "
+                "or Lightning's default strategy ('auto') to keep everything on the GPU."
+            )
+        super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision_plugin)
+        self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
+        self.engine: SlideEngine | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Layer-sliding GPU window with fp32 masters and Adam on the CPU"
+        )
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    @property
+    def precision_plugin(self) -> SlidePrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = SlidePrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else SlidePrecision.adopt(plugin)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def setup(self, trainer: Trainer) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self._validate(trainer, module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"The slideformer strategy trains with exactly one optimizer; configure_optimizers returned "
+                    f"{len(self.optimizers)}. Put all parameters in one torch.optim.AdamW (param groups are fine)."
+                )
+        precision = self.precision_plugin
+        precision.device_type = self.root_device.type
+        self.engine = SlideEngine(
+            module,
+            self.optimizers[0] if fitting else None,
+            self.config,
+            self.root_device,
+            precision.compute_dtype,
+            clip_norm=self._clip_norm(trainer),
+            accumulate=trainer.accumulate_grad_batches > 1,
+            deferred=not module.automatic_optimization,
+        )
+        precision.engine = self.engine
+        self.setup_precision_plugin()
+
+    def _validate(self, trainer: Trainer, module: LightningModule) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError("The slideformer strategy trains on one device: pass Trainer(devices=1).")
+        if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
+            raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(
+                "slideformer clips by the global gradient norm only: use gradient_clip_algorithm='norm'."
+            )
+        if trainer.gradient_clip_val and is_overridden("configure_gradient_clipping", module):
+            rank_zero_warn("slideformer clips in its engine; your configure_gradient_clipping override is not used.")
+
+    @staticmethod
+    def _clip_norm(trainer: Trainer) -> float | None:
+        value = trainer.gradient_clip_val
+        return float(value) if value else None
+
+    def model_to_device(self) -> None:
+        """Weights stay on the host; the engine moves buffers and streams units to the device."""
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Build models on the CPU in fp32: they become the host master weights."""
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.new_micro_batch()
+        return super().training_step(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._synchronize()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._synchronize()
+        return super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.engine is not None:
+            self.engine.master_changed()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load into the engine's flat host state (the base class would move the state to the GPU)."""
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1 or self.engine is None:
+            raise ValueError("This checkpoint holds optimizer states that do not match the slideformer run.")
+        self.engine.load_optimizer_state(states[0])
+
+    def _synchronize(self) -> None:
+        if self.engine is not None:
+            self.engine.synchronize()
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            self.precision_plugin.engine = None
+        super().teardown()

@@ -1,0 +1,86 @@
+"""Gradients leave the GPU: a small ring of pinned landing buffers and the copy thread that fills them.
+
+Each unit's gradient goes out in chunks, so pinned memory stays bounded (a few chunks, not one buffer per
+unit) and the optimizer starts on chunk k while chunk k+1 is still on the wire. The copy thread, not the
+training thread, waits for free landing buffers, so backward never blocks on the optimizer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from lightning_slide.layer_adam import GradChunk, LayerAdam, StepPlan
+from lightning_slide.streams import Lane
+from lightning_slide.threads import Failure, Worker
+
+
+class LandingRing:
+    """`count` pinned fp32 buffers of `elems` each, handed out in order and returned by the optimizer."""
+
+    def __init__(self, count: int, elems: int, pin: bool, failure: Failure) -> None:
+        self.buffers = [torch.empty(elems, pin_memory=pin) for _ in range(count)]
+        self.events = [torch.cuda.Event() if pin else None for _ in range(count)]
+        self._free = deque(range(count))
+        self._lock = threading.Lock()
+        self._failure = failure
+
+    @property
+    def elems(self) -> int:
+        return self.buffers[0].numel()
+
+    def acquire(self) -> int:
+        self._failure.wait(lambda: bool(self._free), "a free gradient landing buffer")
+        with self._lock:
+            return self._free.popleft()
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            self._free.append(index)
+        self._failure.notify()
+
+
+@dataclass
+class Dispatch:
+    """A unit's complete gradient, sitting in a GPU slot, to be sent to the optimizer."""
+
+    unit: int
+    grads: torch.Tensor  # flat fp32 view of the slot's gradient buffer
+    ready: object  # compute-lane event after the last gradient write
+    plan: StepPlan | None
+    accumulate: bool
+    update: bool
+    done: object  # callable(event): the slot's gradient buffer may be reused after `event`
+
+
+class GradPump:
+    """The copy thread: chunks each dispatched gradient through the landing ring to Layer-Adam."""
+
+    def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure) -> None:
+        self.ring, self.d2h, self.adam = ring, d2h, adam
+        self.bytes = 0
+        self.worker: Worker[Dispatch] = Worker("grad-copy", self._handle, failure)
+
+    def put(self, item: Dispatch) -> None:
+        self.worker.put(item)
+
+    def _handle(self, item: Dispatch) -> None:
+        n, step = item.grads.numel(), self.ring.elems
+        with self.d2h():
+            self.d2h.wait(item.ready)
+            for start in range(0, n, step):
+                end = min(start + step, n)
+                i = self.ring.acquire()
+                landing = self.ring.buffers[i][: end - start]
+                landing.copy_(item.grads[start:end], non_blocking=True)
+                event = self.d2h.record(self.ring.events[i])
+                self.adam.put(
+                    GradChunk(item.unit, start, landing, event, partial(self.ring.release, i), item.plan,
+                              item.accumulate, item.update, last=end == n)
+                )
+            item.done(self.d2h.record())
+        self.bytes += n * 4

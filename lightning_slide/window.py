@@ -1,0 +1,111 @@
+"""The GPU window: a fixed ring of pre-allocated slots that decoder blocks slide through.
+
+A slot holds one unit's weights in the compute dtype and its fp32 gradient. The vocabulary-sized units
+(embedding, head) get a dedicated slot each, so ring slots are sized to a decoder block. Nothing is
+allocated after construction; a load is one pinned-host-to-device copy (plus an on-device cast from the
+fp32 master) on the h2d lane, ordered by events against the compute that last read the slot.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from lightning_slide.layer_adam import LayerAdam
+from lightning_slide.storage import UnitStorage
+from lightning_slide.streams import Lane
+
+
+class Slot:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device, with_grads: bool) -> None:
+        self.params = torch.empty(capacity, dtype=dtype, device=device)
+        self.grads = torch.empty(capacity, dtype=torch.float32, device=device) if with_grads else None
+        self.unit: int | None = None
+        self.version = -1
+        self.loaded = None  # h2d event: weights are in
+        self.params_free = None  # compute event: the last reader of the weights has run
+        self.grads_free = None  # d2h event: the last gradient has left
+        self.grads_idle = threading.Event()
+        self.grads_idle.set()
+
+    def release_grads(self, event: object) -> None:
+        self.grads_free = event
+        self.grads_idle.set()
+
+
+class Window:
+    def __init__(
+        self,
+        storages: list[UnitStorage],
+        dedicated: list[bool],
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        h2d: Lane,
+        adam: LayerAdam,
+        with_grads: bool,
+        staging_elems: int,
+    ) -> None:
+        self.storages, self.h2d, self.adam, self.dtype = storages, h2d, adam, dtype
+        self.dedicated = {i: Slot(s.numel, dtype, device, with_grads) for i, s in enumerate(storages) if dedicated[i]}
+        capacity = max((s.numel for i, s in enumerate(storages) if not dedicated[i]), default=0)
+        self.ring = [Slot(capacity, dtype, device, with_grads) for _ in range(slots)]
+        needs_cast = device.type == "cuda" and dtype != torch.float32 and storages[0].shadow is None
+        largest = max(s.numel for s in storages)
+        self.staging = torch.empty(min(staging_elems, largest), device=device) if needs_cast else None
+        self.bytes = 0
+        self.wait_s = 0.0
+
+    def holding(self, unit: int) -> Slot | None:
+        if unit in self.dedicated:
+            return self.dedicated[unit]
+        return next((s for s in self.ring if s.unit == unit), None)
+
+    def ensure(self, unit: int, position: int, direction: int, protect: set[int]) -> Slot:
+        """The slot holding `unit`'s current weights, loading them (asynchronously) if needed."""
+        slot = self.holding(unit) or self._victim(position, direction, protect)
+        if slot.unit != unit or slot.version != self.adam.scheduled[unit]:
+            self._load(slot, unit)
+        return slot
+
+    def _victim(self, position: int, direction: int, protect: set[int]) -> Slot:
+        """Prefer an empty slot, then the unit furthest behind the pass, then the one needed last."""
+
+        def rank(s: Slot) -> tuple[int, int]:
+            if s.unit is None:
+                return (2, 0)
+            behind = (position - s.unit) * direction
+            return (1, behind) if behind > 0 else (0, -behind)
+
+        return max((s for s in self.ring if s.unit not in protect), key=rank)
+
+    def _load(self, slot: Slot, unit: int) -> None:
+        self.wait_s += self.adam.wait_applied(unit)
+        storage = self.storages[unit]
+        dst = slot.params[: storage.numel]
+        with self.h2d():
+            self.h2d.wait(slot.params_free)
+            if storage.shadow is not None:
+                dst.copy_(storage.shadow, non_blocking=True)
+            elif self.staging is None:
+                dst.copy_(storage.master, non_blocking=True)
+            else:
+                self._cast_in(dst, storage.master)
+            slot.loaded = self.h2d.record()
+        slot.unit, slot.version = unit, self.adam.scheduled[unit]
+        self.bytes += dst.numel() * (storage.master if storage.shadow is None else storage.shadow).element_size()
+
+    def _cast_in(self, dst: torch.Tensor, master: torch.Tensor) -> None:
+        """fp32 pinned master -> device staging -> compute dtype, chunk by chunk (no CPU-side conversion)."""
+        step = self.staging.numel()
+        for start in range(0, master.numel(), step):
+            end = min(start + step, master.numel())
+            stage = self.staging[: end - start]
+            stage.copy_(master[start:end], non_blocking=True)
+            dst[start:end].copy_(stage)
+
+    def reset(self) -> None:
+        """Forget what the slots hold (after the master weights were overwritten from outside)."""
+        for slot in [*self.ring, *self.dedicated.values()]:
+            slot.unit, slot.version = None, -1
