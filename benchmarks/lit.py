@@ -9,6 +9,7 @@ and without it 3B does not fit the cap); lightning-slide takes a plain `torch.op
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ from benchmarks.models import MODELS
 from benchmarks.timing import WindowClock
 
 LR = 1e-5
+NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder (the GPU machine has one virtio disk, no NVMe)
 
 
 class CausalLMModule(pl.LightningModule):
@@ -50,6 +52,7 @@ class ClockCallback(pl.Callback):
         self.clock = clock
         self.stats: dict[str, dict] = {}
         self.loss_last: float | None = None
+        self.disk_bytes = 0
         self._trainer: pl.Trainer | None = None
         clock.on_window_start = lambda: self._snapshot("start")
         clock.on_window_end = lambda: self._snapshot("end")
@@ -63,6 +66,12 @@ class ClockCallback(pl.Callback):
 
     def _snapshot(self, when: str) -> None:
         self.stats[when] = engine_stats(self._trainer.strategy) if self._trainer else {}
+        self.disk_bytes = _disk_bytes(Path(NVME_PATH))
+
+
+def _disk_bytes(folder: Path) -> int:
+    """Bytes of the files under the disk tier's folder (0 when there is none)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
 def engine_stats(strategy: object) -> dict:
@@ -91,7 +100,8 @@ def _strategy(case: Case) -> tuple[object, dict]:
         return SYSTEMS[case.system], {}
     from lightning_slide import SlideStrategy
 
-    strategy = SlideStrategy(offload=case.tier)
+    settings = {"offload": case.tier, **({"nvme_path": NVME_PATH} if case.tier == "nvme" else {})}
+    strategy = SlideStrategy(**settings)
     config = getattr(strategy, "config", None)
     return strategy, (dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {})
 
@@ -120,5 +130,6 @@ def run_lightning(case: Case, device: torch.device) -> dict:
     trainer.fit(module, data)
     return {**clock.summary(case.tokens_per_step), "loss_last": callback.loss_last,
             "first_step_at": clock.first_step_at, "engine_stats": callback.stats, "slide_config": config,
+            "disk_bytes": callback.disk_bytes,
             "kernels": "slide config use_kernels" if config.get("use_kernels") else "hf-llama-sdpa",
             "gradient_checkpointing": deepspeed}

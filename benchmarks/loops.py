@@ -121,5 +121,5 @@ def _timed_loop(case: Case, device: torch.device, step: Callable[[torch.Tensor],
     for batch in data.split(case.micro_batch):
         loss = step(batch)
         clock.tick()
-    return {**clock.summary(case.tokens_per_step), "loss_last": float(loss), "kernels": "hf-llama-sdpa",
+    return {**clock.summary(case.tokens_per_step), "loss_last": float(loss.detach()), "kernels": "hf-llama-sdpa",
             "first_step_at": clock.first_step_at}

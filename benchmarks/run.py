@@ -66,6 +66,11 @@ def git_commit() -> str:
     return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def case_timeout(case: Case) -> float:
+    """A hung case (a deadlock, a stuck copy) must not eat the whole budget: allow 2.5x its estimate."""
+    return max(2.5 * case.est_s, case.est_s + 60.0)
+
+
 class Runner:
     """Runs cases one by one under a shared time budget and keeps the output files current."""
 
@@ -118,7 +123,7 @@ class Runner:
         with log_file.open("w") as log:
             proc = subprocess.Popen(argv, cwd=REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            peak_rss, timed_out = _watch(proc, timeout_s=max(1.0, self.remaining()))
+            peak_rss, timed_out = _watch(proc, timeout_s=max(1.0, min(self.remaining(), case_timeout(case))))
         wall = time.monotonic() - started
         tail = _tail(log_file)
         self._append_log(case, tail)
@@ -184,7 +189,7 @@ def _tail(log_file: Path) -> str:
 def _failure(error: str | None, rc: int | None, timed_out: bool, wall: float, peak_rss: int) -> str:
     """The error to record: the worker's own if it wrote one, else what its exit says."""
     if timed_out:
-        return f"timeout: killed after {wall:.0f} s (the run's time budget ran out)"
+        return f"timeout: killed after {wall:.0f} s (its time limit or the run's budget ran out)"
     if error:
         return error
     if rc is not None and rc < 0 and -rc == signal.SIGKILL:
