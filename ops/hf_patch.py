@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ops.linear_cross_entropy import CHUNK_MIB, IGNORE_INDEX, LinearCrossEntropyHead
-from ops.rms_norm import rms_norm
-from ops.rope import apply_rotary_pos_emb
-from ops.swiglu import swiglu
+from ops.cross_entropy import CHUNK_MIB, IGNORE_INDEX, LinearCrossEntropyHead
+from ops.glu import swiglu
+from ops.norm import rms_norm
+from ops.rotary import apply_rotary_pos_emb
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 _HANDLE_ATTR = "_ops_patch_handle"

@@ -2,8 +2,9 @@
 
 HF computes the statistics in fp32, rounds the normalised activations back to the input dtype,
 and only then multiplies by the weight (so the output dtype is the promotion of input and weight
-dtypes). We do the same in one pass over the row, and the backward reads `x` once more and writes
+dtypes). We do the same in one pass over each row; the backward reads `x` and `dy` once and writes
 `dx` plus per-program partial sums of `dw` (fp32), summed at the end: one kernel per direction.
+Short rows (Qwen3 normalises each 128-wide head) are packed several to a program.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from ops._triton import Kernel, launch_options, next_pow2, sm_count, use_triton
 
 MAX_HIDDEN = 65536  # one row must fit in one program's registers
+BWD_PROGRAMS_PER_SM = 2  # backward programs per SM: enough loads in flight, few dw partials
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -25,51 +27,57 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
     return weight * h.to(input_dtype)
 
 
-def _fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    n = (x * rstd).to(X.dtype.element_ty).to(tl.float32)  # HF rounds here, before the weight
-    tl.store(Y + row * stride_y + cols, (n * w).to(Y.dtype.element_ty), mask=mask)
+def _fwd(X, W, Y, RSTD, stride_x, stride_y, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)  # HF rounds here, before the weight
+    y = n * w[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, rows_per_program,
-         BLOCK: tl.constexpr):
+def _bwd(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, M, N, programs,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each program walks row blocks pid, pid + programs, ...; dw is summed in registers."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    start = pid * rows_per_program
-    end = tl.minimum(start + rows_per_program, M)
-    base = start.to(tl.int64)
-    x_ptr, dy_ptr, dx_ptr, rstd_ptr = X + base * stride_x, DY + base * stride_dy, DX + base * stride_dx, RSTD + base
-    for _ in range(start, end):
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(M, BLOCK_M), programs):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)[:, None]
         xhat = x * rstd
-        dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
-        dn = dy * w
-        dx = rstd * (dn - xhat * (tl.sum(dn * xhat, axis=0) / N))
-        tl.store(dx_ptr + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        x_ptr += stride_x
-        dy_ptr += stride_dy
-        dx_ptr += stride_dx
-        rstd_ptr += 1
-    tl.store(DW + pid * N + cols, dw, mask=mask)
+        dw += tl.sum(dy * xhat.to(X.dtype.element_ty).to(tl.float32), axis=0)
+        dn = dy * w[None, :]
+        dx = rstd * (dn - xhat * (tl.sum(dn * xhat, axis=1) / N)[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid * N + cols, dw, mask=col_mask)
 
 
 _fwd_kernel = Kernel(_fwd)
 _bwd_kernel = Kernel(_bwd)
 
 
-def _warps(block: int) -> int:
-    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+TILE = 4096  # elements per program step: several short rows (Qwen3's per-head q/k norm) or one long
+
+
+def _tiles(M: int, N: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for an M x N problem."""
+    block_n = next_pow2(N)
+    block_m = max(1, min(next_pow2(M), TILE // block_n))
+    size = block_m * block_n
+    return block_m, block_n, 16 if size >= 8192 else 8 if size >= 2048 else 4
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -88,9 +96,9 @@ class RMSNormFunction(torch.autograd.Function):
         out_dtype = torch.promote_types(x.dtype, weight.dtype)
         y = torch.empty((M, N), dtype=out_dtype, device=x.device)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        block = next_pow2(N)
-        _fwd_kernel[(M,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block,
-                          **launch_options(_warps(block)))
+        block_m, block_n, warps = _tiles(M, N)
+        _fwd_kernel[(-(-M // block_m),)](x2, weight, y, rstd, x2.stride(0), y.stride(0), M, N, eps,
+                                         BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(warps))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], N)
@@ -101,13 +109,12 @@ class RMSNormFunction(torch.autograd.Function):
         M, N = x2.shape
         dy2 = _rows(dy)
         dx = torch.empty_like(x2)
-        programs = max(1, min(M, sm_count(x2.device)))
-        rows_per_program = -(-M // programs)
+        block_m, block_n, warps = _tiles(M, N)
+        programs = max(1, min(-(-M // block_m), BWD_PROGRAMS_PER_SM * sm_count(x2.device)))
         dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x2.device)
-        block = next_pow2(N)
         _bwd_kernel[(programs,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0),
-                                 dx.stride(0), M, N, rows_per_program, BLOCK=block,
-                                 **launch_options(_warps(block)))
+                                 dx.stride(0), M, N, programs, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 **launch_options(warps))
         dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.x_shape), dw, None
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import ops.norm as norm
 from ops import RMSNorm, rms_norm, rms_norm_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -45,6 +46,15 @@ def test_output_dtype_is_promoted_like_hf(device):
     assert rms_norm(x, w).dtype == rms_norm_reference(x, w).dtype == torch.float32
 
 
+def test_short_rows_share_a_program_like_qwen3_head_norm(device, assert_matches):
+    x, w = _inputs((5, 7, 4, 8), torch.float32, device)  # [batch, seq, heads, head_dim]
+    xr, wr, expected = _reference_fp32(x, w)
+    rms_norm(x, w).backward(torch.ones_like(expected))
+    expected.backward(torch.ones_like(expected))
+    assert_matches(x.grad, xr.grad, torch.float32)
+    assert_matches(w.grad, wr.grad, torch.float32)
+
+
 def test_non_contiguous_input_matches_reference(device, assert_matches):
     base = torch.randn(4, 3, 45, device=device)
     x = base[..., :33].transpose(0, 1)
@@ -52,11 +62,13 @@ def test_non_contiguous_input_matches_reference(device, assert_matches):
     assert_matches(rms_norm(x, w), rms_norm_reference(x, w), torch.float32)
 
 
-def test_weight_gradient_sums_over_more_rows_than_programs(device, assert_matches):
-    x, w = _inputs((67, 19), torch.float32, device)  # several rows per backward program
+def test_weight_gradient_sums_row_blocks_across_programs(device, assert_matches, monkeypatch):
+    monkeypatch.setattr(norm, "TILE", 64)  # 2 rows per block: 34 blocks, several per program
+    x, w = _inputs((67, 19), torch.float32, device)
     xr, wr, expected = _reference_fp32(x, w)
     rms_norm(x, w).sum().backward()
     expected.sum().backward()
+    assert_matches(x.grad, xr.grad, torch.float32)
     assert_matches(w.grad, wr.grad, torch.float32)
 
 
