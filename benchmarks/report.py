@@ -86,6 +86,8 @@ def _f(value: object, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1000:
+            return f"{value:.0f}"
         if abs(value) >= 1000:
             return f"{value:,.0f}"
         return f"{value:.{digits}f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"

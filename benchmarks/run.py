@@ -57,9 +57,13 @@ def _read(path: str) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's sha, marked `-dirty` when tracked files differ from it."""
+    """HEAD's sha, marked `-dirty` when tracked files differ from it ("unknown" without git or .git:
+    the GPU machine gets a copy of the working tree, so pass --commit there)."""
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        except OSError:
+            return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
     sha = git("rev-parse", "HEAD") or "unknown"
@@ -74,13 +78,14 @@ def case_timeout(case: Case) -> float:
 class Runner:
     """Runs cases one by one under a shared time budget and keeps the output files current."""
 
-    def __init__(self, out: Path, budget_s: float, include_known_failures: bool, command: str) -> None:
+    def __init__(self, out: Path, budget_s: float, include_known_failures: bool, command: str,
+                 commit: str | None = None) -> None:
         self.out, self.budget_s, self.include_known = out, budget_s, include_known_failures
         self.started = time.monotonic()
         self.records: list[dict] = []
         self.failed_chains: set[str] = set()
         self.scratch = Path(tempfile.mkdtemp(prefix="lsbench-"))
-        self.common = {"command": command, "commit": git_commit(),
+        self.common = {"command": command, "commit": commit or git_commit(),
                        "date": datetime.date.today().isoformat(), "machine": machine_facts()}
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.log").write_text("")
@@ -127,7 +132,7 @@ class Runner:
         wall = time.monotonic() - started
         tail = _tail(log_file)
         self._append_log(case, tail)
-        measured = json.loads(result_file.read_text()) if result_file.exists() else {}
+        measured = _read_result(result_file)
         measured.update(case_command=shlex.join(argv), rc=proc.returncode, wall_s=wall, peak_rss_gib=peak_rss / GIB)
         if measured.get("ok") and proc.returncode == 0:
             return measured
@@ -146,7 +151,10 @@ class Runner:
         with (self.out / "results.jsonl").open("w") as jsonl:
             for record in self.records:
                 jsonl.write(json.dumps(record) + "\n")
-        report.write(self.out, self.records)
+        try:
+            report.write(self.out, self.records)
+        except Exception as error:  # noqa: BLE001 - a plotting bug must not end the run; jsonl is saved
+            print(f"report not written: {type(error).__name__}: {error}", flush=True)
 
 
 def _child_env() -> dict:
@@ -155,6 +163,8 @@ def _child_env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/lsbench-torch-extensions")  # DeepSpeed CPU Adam: built once
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # JIT builds (DeepSpeed's CPU Adam) look for ninja on PATH: the interpreter's own bin may hold it
+    env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
     return env
 
 
@@ -180,6 +190,14 @@ def _tree_rss(root: psutil.Process) -> int:
     except psutil.Error:
         pass
     return total
+
+
+def _read_result(path: Path) -> dict:
+    """The worker's result, or nothing if it died before writing it (or while writing it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _tail(log_file: Path) -> str:
@@ -213,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-time budget for all cases")
     parser.add_argument("--include-known-failures", action="store_true",
                         help="also run cases seen failing before (e.g. ds3 on 8B: host out of memory)")
+    parser.add_argument("--commit", help="git sha to record (default: this checkout's HEAD, if git is there)")
     parser.add_argument("--list", action="store_true", help="list suites and cases, then exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -223,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("--out is required")
     command = shlex.join(["python", "-m", "benchmarks.run", *(argv if argv is not None else sys.argv[1:])])
-    runner = Runner(args.out, args.budget_s, args.include_known_failures, command)
+    runner = Runner(args.out, args.budget_s, args.include_known_failures, command, args.commit)
     records = runner.run_all(resolve(args.cases))
     print(report.summary_text(records))
     return 0

@@ -57,7 +57,7 @@ def _measure(case: Case, device: torch.device) -> dict:
 def _device_facts(device: torch.device) -> dict:
     """What the child alone can read: the GPU, its memory peaks, the CUDA build."""
     facts: dict = {"child_maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
         facts.update(gpu=props.name, gpu_mem_gib=props.total_memory / GIB, cuda=torch.version.cuda,
                      peak_vram_alloc_gib=torch.cuda.max_memory_allocated(device) / GIB,
@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # noqa: BLE001 - every failure is a result to record
         traceback.print_exc()
         out["error"] = f"{type(error).__name__}: {error}"[:4000]
-    out.update(_device_facts(device))
+    try:
+        out.update(_device_facts(device))
+    except Exception as error:  # noqa: BLE001 - a broken CUDA context must not cost the case its result
+        out["device_facts_error"] = str(error)[:500]
     if "first_step_at" in out:
         out["time_to_first_step_s"] = out.pop("first_step_at") - started
     out["worker_wall_s"] = time.perf_counter() - started
