@@ -7,6 +7,8 @@ bandwidth, the CPU update bound from this run's fused CPU AdamW rate. Plain Pyth
 
 from __future__ import annotations
 
+import dataclasses
+
 from benchmarks.cases import OFFLOAD_SYSTEMS, SYSTEMS, Case
 from benchmarks.models import FLOP_FORMULAS, MODELS, step_flops
 
@@ -42,6 +44,7 @@ def base_record(case: Case) -> dict:
     return {
         "case": case.name, "system": SYSTEMS[case.system], "system_key": case.system,
         "ok": False, "error": None, "model": spec.label, "model_key": case.model,
+        "model_config": {**dataclasses.asdict(spec), "attention": "sdpa", "init": "N(0, 0.02), norms 1"},
         "params": spec.params, "params_no_embedding": spec.params_no_embedding,
         "micro_batch": case.micro_batch, "seq_len": case.seq_len, "tokens_per_step": case.tokens_per_step,
         "accumulate": 1, "vram_cap_gib": case.cap_gib, "tier": case.tier, "device": case.device,
