@@ -1,8 +1,12 @@
 """Where a kernel runs: compiled on the GPU, in Triton's CPU interpreter, or not at all.
 
-`triton.jit` decides between compiler and interpreter when a kernel is *defined*, from the
-`TRITON_INTERPRET` variable. Tests set that variable in a conftest that may run after some other
-module imported `ops`, so our kernels decide when they are *launched* instead (`Kernel`).
+Triton fixes its mode when it is imported: with `TRITON_INTERPRET=1` in the environment its own
+library functions (`tl.sum`, `tl.sigmoid`, ...) become interpreter functions, and compiled kernels
+can no longer use them (nor can interpreted kernels use compiled ones). So the variable must be
+set before anything imports triton (tests do it in tests/ops/conftest.py). Our kernels follow the
+mode triton is in, whatever the import order, and `use_triton` sends CPU tensors to a kernel only
+when triton interprets *and* the variable still asks for it (so a test can switch the CPU path to
+the pure-PyTorch references by setting it to 0).
 """
 from __future__ import annotations
 
@@ -10,15 +14,22 @@ import os
 
 import torch
 import triton
+import triton.language.standard as _tl_standard
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 _TRUE = {"1", "true", "yes", "on", "y"}
 
 
+def triton_interprets() -> bool:
+    """True when triton was imported in interpreter mode (its library is interpreted)."""
+    return isinstance(_tl_standard.sigmoid, InterpretedFunction)
+
+
 def interpreting() -> bool:
-    """True when TRITON_INTERPRET asks for the CPU interpreter (read now, not at import)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+    """Run kernels on CPU tensors: triton interprets and TRITON_INTERPRET (read now) agrees."""
+    flag = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+    return flag and triton_interprets()
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -27,28 +38,31 @@ def use_triton(t: torch.Tensor) -> bool:
     Everything else takes the pure-PyTorch path of each op, so a patched model still trains
     (slowly, but correctly) on a CPU without the interpreter.
     """
-    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+    if t.is_cuda:
+        return not triton_interprets()
+    return t.device.type == "cpu" and interpreting()
 
 
 class Kernel:
-    """A Triton kernel that picks compiler or interpreter at launch: `Kernel(fn)[grid](...)`."""
+    """A Triton kernel built, at first launch, for the mode triton is in: `Kernel(fn)[grid](...)`.
+
+    `triton.jit` would pick the mode from the environment when our module is imported, which
+    need not be the mode triton itself was imported in.
+    """
 
     def __init__(self, fn):
         self.fn = fn
-        self._built: dict[bool, object] = {}
+        self._built = None
 
     def __getitem__(self, grid):
-        mode = interpreting()
-        built = self._built.get(mode)
-        if built is None:
-            built = InterpretedFunction(self.fn) if mode else JITFunction(self.fn)
-            self._built[mode] = built
-        return built[grid]
+        if self._built is None:
+            self._built = InterpretedFunction(self.fn) if triton_interprets() else JITFunction(self.fn)
+        return self._built[grid]
 
 
 def launch_options(num_warps: int) -> dict:
     """Launch keywords; the interpreter has no warps, so it gets none."""
-    return {} if interpreting() else {"num_warps": num_warps}
+    return {} if triton_interprets() else {"num_warps": num_warps}
 
 
 def next_pow2(n: int) -> int:

@@ -38,5 +38,11 @@ def device() -> torch.device:
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_one_thread():
+    """Fixed seed; one intra-op thread, since at these tiny shapes extra threads only contend
+    (a 5x16 matmul took 20 ms with two threads on a busy two-core runner, 5 us with one)."""
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,130 @@
+"""The kernels at real sizes on the GPU (hidden 4096, vocab 128256, 2k-16k tokens), in bf16.
+
+Compared with fp32 references on the same bf16 inputs by relative error norms, which is what
+matters for training at this size (single elements of a bf16 tensor are only ~3 digits).
+"""
+import pytest
+import torch
+
+import ops
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+H, V = 4096, 128256
+BF16_REL = 1e-2
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(actual).all()
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def _leaf(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    return t.detach().to(dtype or t.dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("tokens", [2048, 16384])
+def test_rms_norm_matches_reference_at_hidden_4096(tokens):
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = _leaf(1 + 0.1 * torch.randn(H, device="cuda", dtype=torch.bfloat16))
+    xr, wr = _leaf(x, torch.float32), _leaf(w, torch.float32)
+    dy = torch.randn_like(x)
+    y, yr = ops.rms_norm(x, w), ops.rms_norm_reference(xr, wr)
+    y.backward(dy)
+    yr.backward(dy.float())
+    assert _rel(y, yr) < BF16_REL and _rel(x.grad, xr.grad) < BF16_REL and _rel(w.grad, wr.grad) < BF16_REL
+
+
+def test_rope_matches_reference_for_llama3_8b_heads():
+    b, s, hq, hk, d = 2, 4096, 32, 8, 128
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    emb = torch.cat([torch.arange(s, device="cuda").float()[:, None] * inv] * 2, -1).expand(b, s, d)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    qr, kr = _leaf(q, torch.float32), _leaf(k, torch.float32)
+    qo, ko = ops.apply_rotary_pos_emb(q, k, cos, sin)
+    qe, ke = ops.rope_reference(qr, kr, cos.float(), sin.float())
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    torch.autograd.backward((qo, ko), (gq, gk))
+    torch.autograd.backward((qe, ke), (gq.float(), gk.float()))
+    for got, want in ((qo, qe), (ko, ke), (q.grad, qr.grad), (k.grad, kr.grad)):
+        assert _rel(got, want) < BF16_REL
+
+
+def test_swiglu_matches_reference_at_intermediate_14336():
+    gate = torch.randn(8192, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn_like(gate, requires_grad=True)
+    gr, ur = _leaf(gate, torch.float32), _leaf(up, torch.float32)
+    out, expected = ops.swiglu(gate, up), ops.swiglu_reference(gr, ur)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected.backward(dout.float())
+    assert _rel(out, expected) < BF16_REL
+    assert _rel(gate.grad, gr.grad) < BF16_REL and _rel(up.grad, ur.grad) < BF16_REL
+
+
+def _lce_problem(tokens: int, vocab: int = V):
+    x = (torch.randn(tokens, H, device="cuda") * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, H, device="cuda") * 0.02).bfloat16().requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), device="cuda")
+    y[::7] = -100
+    y[: tokens // 8] = -100  # a whole leading sequence ignored
+    return x, w, y
+
+
+@pytest.mark.parametrize("tokens", [2048, 8192, 16384])
+def test_linear_cross_entropy_matches_reference_at_vocab_128256(tokens):
+    x, w, y = _lce_problem(tokens)
+    xr, wr = _leaf(x), _leaf(w)  # reference: bf16 logits upcast to fp32, as HF computes them
+    loss = ops.linear_cross_entropy(x, w, y)
+    loss.backward()
+    expected = ops.linear_cross_entropy_reference(xr, wr, y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-3 * abs(expected.item())
+    assert _rel(x.grad, xr.grad) < BF16_REL and _rel(w.grad, wr.grad) < BF16_REL
+
+
+def test_linear_cross_entropy_needs_at_most_64_mib_beyond_inputs_and_gradients_at_16k_tokens():
+    x, w, y = _lce_problem(16384)
+    ops.linear_cross_entropy(x, w, y).backward()  # warm-up: compile, cuBLAS workspace
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ops.linear_cross_entropy(x, w, y).backward()
+    torch.cuda.synchronize()
+    grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
+    transient = torch.cuda.max_memory_allocated() - base - grads
+    assert transient <= 64 * 2**20, f"{transient / 2**20:.1f} MiB"
+
+
+def test_patched_llama_trains_like_unpatched_on_gpu():
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).cuda()
+    ids = torch.randint(0, 1000, (4, 128), device="cuda")
+    labels = ids.clone()
+    labels[0] = -100
+
+    def train(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(5):
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    expected = train(copy.deepcopy(model))
+    with ops.patch(model):
+        losses = train(model)
+    assert losses == pytest.approx(expected, rel=1e-4)
