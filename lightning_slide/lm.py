@@ -60,7 +60,7 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         self.log("train/loss", out.loss, prog_bar=True)
-        self.log("lr", self.lr_schedulers().get_last_lr()[0], prog_bar=True)
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
         if out.logits is not None:  # None when a fused linear-cross-entropy kernel computed the loss
             self.train_acc(out.logits[:, :-1].argmax(-1), batch["labels"][:, 1:])
             self.log("train/acc", self.train_acc)
