@@ -472,7 +472,9 @@ class SlideEngine:
         }
 
     def close(self) -> None:
-        """Stop the threads, restore the modules, unpin host memory and drop GPU slots."""
+        """Finish queued updates, stop the threads, restore the modules, unpin host memory, drop GPU slots."""
+        if self.failure.error is None:
+            self.synchronize()
         for worker in (self.pump.worker if self.pump else None, self.adam.worker):
             if worker is not None:
                 worker.stop()

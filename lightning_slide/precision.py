@@ -61,6 +61,7 @@ class SlidePrecision(Precision):
         result = closure()
         self._after_closure(model, optimizer)
         engine.end_step()
+        optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (torch.optim.lr_scheduler)
         return result
 
     def clip_gradients(

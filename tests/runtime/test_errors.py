@@ -1,0 +1,106 @@
+"""Bad choices fail early with a message that says what to change; a dying worker stops training."""
+
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_slide.layer_adam as layer_adam
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_slide import SlideConfig, SlidePrecision, SlideStrategy
+from lightning_slide.threads import WorkerError
+from tests.runtime.helpers import CausalLM, tiny_model, token_batches, trainer
+
+
+def _fit(module, strategy="slideformer", **kwargs):
+    trainer(strategy, 2, **kwargs).fit(module, DataLoader(token_batches(4), batch_size=None))
+
+
+@pytest.fixture
+def deadline():
+    """Fail instead of hanging: a stuck test is a failing test."""
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("timed out: training hung"))
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+
+
+def test_a_failing_optimizer_thread_stops_fit_with_its_error(monkeypatch, deadline):
+    def broken(*args, **kwargs):
+        raise FloatingPointError("injected failure in the CPU update")
+
+    monkeypatch.setattr(layer_adam, "adam_", broken)
+    start = time.perf_counter()
+    with pytest.raises(WorkerError, match="injected failure"):
+        _fit(CausalLM(tiny_model()))
+    assert time.perf_counter() - start < 30
+
+
+def test_sgd_is_rejected_with_the_alternative():
+    with pytest.raises(TypeError, match="torch.optim.AdamW"):
+        _fit(CausalLM(tiny_model(), optimizer=torch.optim.SGD))
+
+
+def test_two_optimizers_are_rejected():
+    class Two(CausalLM):
+        automatic_optimization = False
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.model.model.parameters()), torch.optim.AdamW(self.model.lm_head.parameters())]
+
+    with pytest.raises(ValueError, match="exactly one optimizer"):
+        _fit(Two(tiny_model()))
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precisions_name_the_supported_ones(precision):
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        _fit(CausalLM(tiny_model()), precision=precision)
+
+
+def test_fp16_mixed_is_rejected_because_steps_cannot_be_skipped():
+    with pytest.raises(ValueError, match="loss scaling"):
+        SlidePrecision.adopt(MixedPrecision("16-mixed", "cuda"))
+
+
+def test_value_clipping_is_rejected_in_favour_of_norm_clipping():
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='norm'"):
+        _fit(CausalLM(tiny_model()), clip=1.0, gradient_clip_algorithm="value")
+
+
+def test_a_model_without_decoder_blocks_is_rejected_with_the_expected_layout():
+    class NotAnLM(CausalLM):
+        def __init__(self):
+            super().__init__(torch.nn.Linear(4, 4))
+
+    with pytest.raises(TypeError, match="No Hugging Face causal LM"):
+        _fit(NotAnLM())
+
+
+def test_parameters_outside_the_language_model_are_rejected():
+    module = CausalLM(tiny_model())
+    module.extra = torch.nn.Linear(3, 3)
+    with pytest.raises(TypeError, match="outside the causal LM"):
+        _fit(module)
+
+
+def test_compiled_models_are_rejected():
+    module = CausalLM(torch.compile(tiny_model()))
+    with pytest.raises(ValueError, match="torch.compile"):
+        _fit(module)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [(dict(slots=1), "at least 2 GPU slots"), (dict(offload="tape"), "offload"), (dict(window=3), "Unknown")],
+)
+def test_bad_settings_say_what_is_valid(settings, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        SlideStrategy(**settings)
+
+
+def test_settings_round_trip_through_the_config():
+    assert SlideStrategy(slots=4, activations="cpu").config == SlideConfig(slots=4, activations="cpu")

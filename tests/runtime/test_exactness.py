@@ -1,0 +1,55 @@
+"""Sliding training must be plain training: same parameters as a PyTorch loop with torch.optim.AdamW."""
+
+import pytest
+import torch
+
+from lightning_slide import SlideStrategy
+from tests.runtime.helpers import ARCHS, fit, relative_difference, reference, tiny_model, token_batches
+
+STEPS = 5
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_fp32_matches_adamw_with_accumulation_clipping_and_schedule(arch):
+    model, batches = tiny_model(arch), token_batches(STEPS * 2)
+    expected = reference(model, batches, STEPS, accumulate=2, clip=0.5)
+    got = fit(model, batches, "slideformer", STEPS, accumulate=2, clip=0.5)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(slots=2), dict(activations="cpu"), dict(chunk_elems=1024, grad_buffers=2)],
+    ids=["default", "two-slots", "activations-on-host", "small-chunks"],
+)
+def test_fp32_matches_adamw_when_updates_overlap_the_backward(settings):
+    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS)
+    got = fit(model, batches, SlideStrategy(**settings), STEPS)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
+def test_fp32_matches_adamw_with_accumulation_and_no_clipping():
+    model, batches = tiny_model("llama"), token_batches(STEPS * 3)
+    expected = reference(model, batches, STEPS, accumulate=3)
+    got = fit(model, batches, "slideformer", STEPS, accumulate=3)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
+def test_adam_with_coupled_weight_decay_matches_torch_adam():
+    model, batches = tiny_model("mistral"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS, optimizer=torch.optim.Adam)
+    got = fit(model, batches, "slideformer", STEPS, optimizer=torch.optim.Adam)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
+@pytest.mark.parametrize("h2d_source", ["master", "shadow"])
+def test_bf16_mixed_stays_within_bf16_noise_of_fp32_training(h2d_source):
+    """bf16 rounding makes runs differ; ours may differ from fp32 training about as much as Lightning's own bf16."""
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    fp32 = reference(model, batches, STEPS)
+    lightning_bf16 = fit(model, batches, "auto", STEPS, precision="bf16-mixed")
+    ours = fit(model, batches, SlideStrategy(h2d_source=h2d_source), STEPS, precision="bf16-mixed")
+    noise = relative_difference(fp32, lightning_bf16.model, per_tensor_limit=0.1)
+    assert relative_difference(fp32, ours.model, per_tensor_limit=0.1) <= max(2 * noise, 1e-3)
+    assert relative_difference(lightning_bf16.model, ours.model, per_tensor_limit=0.1) <= 2e-2

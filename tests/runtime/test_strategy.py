@@ -1,0 +1,84 @@
+"""The strategy behaves like Lightning's own: names, precision flags, validation, manual optimization, teardown."""
+
+import copy
+import warnings
+
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+from lightning_slide import SlidePrecision, SlideStrategy
+from tests.runtime.helpers import CausalLM, param_groups, reference, relative_difference, tiny_model, token_batches, trainer
+
+
+def test_strategy_name_and_precision_flag_are_honoured():
+    t = Trainer(strategy="SlideFormer", precision="bf16-mixed", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(t.strategy, SlideStrategy)
+    assert isinstance(t.strategy.precision_plugin, SlidePrecision)
+    assert t.precision == "bf16-mixed"
+
+
+def test_validate_without_fit_matches_the_plain_model():
+    model, batches = tiny_model("qwen3"), token_batches(3)
+    expected = torch.stack([model(input_ids=x, labels=x).loss for x in batches]).mean()
+    module = CausalLM(copy.deepcopy(model))
+    (result,) = trainer("slideformer", 1).validate(module, DataLoader(batches, batch_size=None), verbose=False)
+    assert abs(result["val_loss"] - float(expected)) < 1e-5
+
+
+def test_validation_inside_fit_sees_the_updated_weights():
+    model, batches = tiny_model("llama"), token_batches(4)
+    module = CausalLM(copy.deepcopy(model))
+    t = trainer("slideformer", 4, val_check_interval=2, check_val_every_n_epoch=None)
+    t.fit(module, DataLoader(batches, batch_size=None), DataLoader(batches[:2], batch_size=None))
+    trained = reference(model, batches, 4)
+    expected = torch.stack([trained(input_ids=x, labels=x).loss for x in batches[:2]]).mean()
+    assert abs(float(t.callback_metrics["val_loss"]) - float(expected)) < 1e-5
+
+
+class ManualStep(CausalLM):
+    """Manual optimization: backward first, the step afterwards (the engine defers the update)."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+
+
+def test_manual_optimization_matches_adamw():
+    model, batches = tiny_model("mistral"), token_batches(4)
+    module = ManualStep(copy.deepcopy(model))
+    trainer("slideformer", 4).fit(module, DataLoader(batches, batch_size=None))
+    assert relative_difference(reference(model, batches, 4), module.model) <= 1e-6
+
+
+def test_after_fit_the_model_is_an_ordinary_cpu_module_again():
+    model, batches = tiny_model("qwen2-tied"), token_batches(2)
+    module = CausalLM(copy.deepcopy(model))
+    trainer("slideformer", 2).fit(module, DataLoader(batches, batch_size=None))
+    assert all("forward" not in m.__dict__ for m in module.modules())
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(module.model.state_dict())
+    x = batches[0]
+    torch.testing.assert_close(module.model(input_ids=x).logits, twin(input_ids=x).logits, rtol=0, atol=0)
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+
+
+def test_lr_schedulers_see_the_optimizer_step():
+    module, batches = CausalLM(tiny_model()), token_batches(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer("slideformer", 3).fit(module, DataLoader(batches, batch_size=None))
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert module.lr_schedulers().last_epoch == 3
+
+
+def test_param_groups_keep_their_own_hyperparameters():
+    module = CausalLM(tiny_model())
+    trainer("slideformer", 1).fit(module, DataLoader(token_batches(1), batch_size=None))
+    groups = module.optimizers().optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [p["weight_decay"] for p in param_groups(module.model)]
