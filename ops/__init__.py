@@ -10,9 +10,9 @@ still trains correctly on a CPU. This package imports neither Lightning nor `lig
 from ops.cross_entropy import (
     LinearCrossEntropyHead,
     causal_lm_loss,
+    causal_targets,
     linear_cross_entropy,
     linear_cross_entropy_reference,
-    shift_labels,
 )
 from ops.hf_patch import PatchHandle, patch, unpatch
 from ops.glu import SwiGLUMLP, swiglu, swiglu_reference
@@ -21,7 +21,7 @@ from ops.rotary import apply_rotary_pos_emb, rope_reference
 
 __all__ = [
     "LinearCrossEntropyHead", "PatchHandle", "RMSNorm", "SwiGLUMLP", "apply_rotary_pos_emb",
-    "causal_lm_loss", "linear_cross_entropy", "linear_cross_entropy_reference", "patch",
-    "rms_norm", "rms_norm_reference", "rope_reference", "shift_labels", "swiglu",
+    "causal_lm_loss", "causal_targets", "linear_cross_entropy", "linear_cross_entropy_reference", "patch",
+    "rms_norm", "rms_norm_reference", "rope_reference", "swiglu",
     "swiglu_reference", "unpatch",
 ]

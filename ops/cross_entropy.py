@@ -267,16 +267,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return loss
 
 
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def causal_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """HF's causal shift: position t predicts token t+1; the last position predicts nothing."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
-                   bias: torch.Tensor | None = None, *, shift_labels_: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, *, shift_labels: torch.Tensor | None = None,
                    ignore_index: int = IGNORE_INDEX, **kwargs) -> torch.Tensor:
     """HF's `ForCausalLMLoss` on `lm_head(hidden)`, fused: shifts `labels` unless shifted ones are given."""
-    targets = shift_labels_ if shift_labels_ is not None else shift_labels(labels, ignore_index)
+    targets = shift_labels if shift_labels is not None else causal_targets(labels, ignore_index)
     return linear_cross_entropy(hidden, weight, targets, bias, ignore_index=ignore_index, **kwargs)
 
 
@@ -297,7 +297,7 @@ class LinearCrossEntropyHead(nn.Linear):
         if labels is None and shift_labels is None:
             logits = F.linear(hidden, self.weight, self.bias)
             return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
-        return causal_lm_loss(hidden, self.weight, labels, self.bias, shift_labels_=shift_labels,
+        return causal_lm_loss(hidden, self.weight, labels, self.bias, shift_labels=shift_labels,
                               ignore_index=ignore_index, softcap=self.softcap,
                               z_loss_weight=self.z_loss_weight,
                               num_items_in_batch=num_items_in_batch, chunk_mib=self.chunk_mib)

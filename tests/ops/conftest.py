@@ -32,6 +32,33 @@ def assert_matches():
     return _assert_matches
 
 
+def _losses_unpatched_and_patched(model, ids, labels, steps: int, lr: float):
+    """Train a copy of `model` as is, then `model` under ops.patch; return both loss curves."""
+    import copy
+
+    import ops
+
+    def train(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=lr)
+        losses = []
+        for _ in range(steps):
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    expected = train(copy.deepcopy(model))  # first: the patch replaces HF's RoPE module-wide
+    with ops.patch(model):
+        return expected, train(model)
+
+
+@pytest.fixture
+def train_both():
+    return _losses_unpatched_and_patched
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

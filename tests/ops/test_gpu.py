@@ -100,9 +100,7 @@ def test_linear_cross_entropy_needs_at_most_64_mib_beyond_inputs_and_gradients_a
     assert transient <= 64 * 2**20, f"{transient / 2**20:.1f} MiB"
 
 
-def test_patched_llama_trains_like_unpatched_on_gpu():
-    import copy
-
+def test_patched_llama_trains_like_unpatched_on_gpu(train_both):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
@@ -112,19 +110,5 @@ def test_patched_llama_trains_like_unpatched_on_gpu():
     ids = torch.randint(0, 1000, (4, 128), device="cuda")
     labels = ids.clone()
     labels[0] = -100
-
-    def train(m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(5):
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    expected = train(copy.deepcopy(model))
-    with ops.patch(model):
-        losses = train(model)
+    expected, losses = train_both(model, ids, labels, steps=5, lr=1e-3)
     assert losses == pytest.approx(expected, rel=1e-4)

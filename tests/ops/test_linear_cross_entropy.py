@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import ops.cross_entropy as lce
-from ops import LinearCrossEntropyHead, causal_lm_loss, linear_cross_entropy, linear_cross_entropy_reference
+from ops import (LinearCrossEntropyHead, causal_lm_loss, causal_targets, linear_cross_entropy,
+                 linear_cross_entropy_reference)
 
 DTYPES = [torch.float32, torch.bfloat16]
 T, H, V = 23, 16, 97  # odd sizes: 23 tokens in chunks of 5 leave a remainder of 3
@@ -105,6 +106,14 @@ def test_causal_lm_loss_shifts_labels_like_hf(device, assert_matches):
     labels[0, 0] = -100
     expected = ForCausalLMLoss(F.linear(hidden, w), labels, vocab_size=V)
     assert_matches(causal_lm_loss(hidden, w, labels), expected, torch.float32)
+
+
+def test_pre_shifted_labels_give_the_same_loss(device):
+    hidden = torch.randn(2, 6, H, device=device)
+    w = 0.3 * torch.randn(V, H, device=device)
+    labels = torch.randint(0, V, (2, 6), device=device)
+    torch.testing.assert_close(causal_lm_loss(hidden, w, None, shift_labels=causal_targets(labels)),
+                               causal_lm_loss(hidden, w, labels))
 
 
 def test_head_returns_logits_without_labels_and_the_loss_with_them(device, assert_matches):

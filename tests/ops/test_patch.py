@@ -53,24 +53,9 @@ def test_patched_model_gives_the_same_loss_and_gradients(family, device):
     handle.unpatch()
 
 
-def test_patched_model_trains_to_the_same_losses(device):
-    model = _tiny("llama").to(device)
+def test_patched_model_trains_to_the_same_losses(device, train_both):
     ids, labels = _batch(device)
-
-    def train(m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    expected = train(copy.deepcopy(model))
-    with ops.patch(model):
-        losses = train(model)
+    expected, losses = train_both(_tiny("llama").to(device), ids, labels, steps=3, lr=1e-2)
     assert losses == pytest.approx(expected, rel=1e-5)
     assert losses[-1] < losses[0]
 
