@@ -85,9 +85,9 @@ def _targets() -> list[Case]:
         make("slide", "llama3_8b", 64, warmup=2, est_s=130),
         make("slide", "llama3_8b", 8, est_s=70),
         make("ceiling", "llama3_3b", 8, cap_gib=None, est_s=20),
-        make("slide", "llama3_1b", 16, est_s=30),
-        make("ceiling", "llama3_1b", 16, cap_gib=None, est_s=15),
-        make("plain", "llama3_1b", 16, cap_gib=None, est_s=20),
+        make("slide", "llama3_1b", 32, est_s=40),
+        make("ceiling", "llama3_1b", 32, cap_gib=None, est_s=15),
+        make("plain", "llama3_1b", 32, cap_gib=None, est_s=25),
         make("ds2", "llama3_3b", 8, warmup=2, est_s=80),
     ]
 

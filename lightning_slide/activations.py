@@ -45,14 +45,22 @@ class Saved:
 
 
 class ActivationStore:
-    def __init__(self, offload: bool, device: torch.device, compute: Lane, h2d: Lane, d2h: Lane) -> None:
-        self.offload, self.device = offload, device
+    """Decides per micro-batch where inputs wait: `mode` "device", "cpu", or "auto" (device while they fit)."""
+
+    def __init__(self, mode: str, device: torch.device, compute: Lane, h2d: Lane, d2h: Lane, saves: int) -> None:
+        self.mode, self.device, self.saves = mode, device, saves
         self.compute, self.h2d, self.d2h = compute, h2d, d2h
         self._pool: dict[int, _HostBuffer] = {}
+        self._offload: bool | None = None
         self.bytes_out = self.bytes_in = 0
 
+    def new_micro_batch(self) -> None:
+        self._offload = None
+
     def save(self, position: int, value: torch.Tensor) -> Saved:
-        if not (self.offload and value.is_floating_point()):
+        if self._offload is None:
+            self._offload = self._decide(value)
+        if not (self._offload and value.is_floating_point()):
             return Saved(self, value, None, None)
         host = self._buffer(position, value)
         produced = self.compute.record()
@@ -65,6 +73,17 @@ class ActivationStore:
             written = self.d2h.record()
         self.bytes_out += value.numel() * value.element_size()
         return Saved(self, None, host, written)
+
+    def _decide(self, value: torch.Tensor) -> bool:
+        """"auto" keeps inputs on the GPU while all of them take at most half of what is left free there."""
+        if self.mode != "auto":
+            return self.mode == "cpu"
+        if self.device.type != "cuda":
+            return False
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(self.device)
+        limit = torch.cuda.get_device_properties(self.device).total_memory * fraction
+        needed = self.saves * value.numel() * value.element_size()
+        return needed > 0.5 * (limit - torch.cuda.memory_allocated(self.device))
 
     def _buffer(self, position: int, like: torch.Tensor) -> _HostBuffer:
         buf = self._pool.get(position)

@@ -226,7 +226,7 @@ class SlideEngine:
         pin = device.type == "cuda"
         self.pump = GradPump(LandingRing(config.grad_buffers, config.chunk_elems, pin, self.failure), self.d2h,
                              self.adam, self.failure) if training else None
-        self.activations = ActivationStore(config.activations == "cpu", device, self.compute, self.h2d, self.d2h)
+        self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts))
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
         self._written: set[int] = set()
@@ -246,11 +246,20 @@ class SlideEngine:
 
     # ----------------------------------------------------------------------------------------- setup
     def _prepare_model(self) -> None:
-        """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training."""
+        """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training.
+
+        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits), so that
+        the engine wraps the patched modules.
+        """
         if getattr(self.model, "is_activation_checkpointing", getattr(self.model, "is_gradient_checkpointing", False)):
             self.model.gradient_checkpointing_disable()
         if getattr(self.model.config, "use_cache", False):
             self.model.config.use_cache = False
+        self._kernels = None
+        if self.config.use_kernels and self.device.type == "cuda":
+            import ops  # imports triton: only where kernels run
+
+            self._kernels = ops.patch(self.model)
 
     def _assign(self, specs: list, group_of: dict[int, int]) -> tuple[list[list[nn.Parameter]], list[Part]]:
         """Give each parameter to the first unit that uses it, and describe every part's bindings."""
@@ -390,6 +399,7 @@ class SlideEngine:
             self._receiving.clear()
         self._tape_position = 0
         self._last_call = None
+        self.activations.new_micro_batch()
 
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
@@ -482,6 +492,8 @@ class SlideEngine:
             part.module.__dict__.pop("forward", None)
             if part.own_forward is not None:
                 part.module.forward = part.own_forward
+        if self._kernels is not None:
+            self._kernels.unpatch()
         for s in self.storages:
             s.release()
         self.window = None  # type: ignore[assignment]

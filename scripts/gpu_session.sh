@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in one place (device calls are few and short).
+#   bash scripts/gpu_session.sh check   GPU tests (runtime + kernels)
+#   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py)
+#   bash scripts/gpu_session.sh bench   the throughput/memory suite (benchmarks/, `targets` by default)
+# Writes logs and results under $OUT. Carried wheels (.whl/) are installed into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+COMMIT=${COMMIT:-unknown}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c "import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)" | tee -a "$OUT/machine.txt"
+
+case "${1:-check}" in
+  check)
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu tests/ops -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    ;;
+  ops)
+    timeout 240 python3 benchmarks/bench_ops.py --out "$OUT/ops" 2>&1 | tail -30 | tee "$OUT/bench_ops.log"
+    ;;
+  bench)
+    python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" --budget-s "${BUDGET:-540}" --commit "$COMMIT"
+    ;;
+esac
