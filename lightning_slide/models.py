@@ -151,6 +151,7 @@ def build_model(
 
     `pretrained` (a local folder written by `save_pretrained`) wins over the name: its config and weights
     are loaded without touching the network. Otherwise the named (or given) config gets random weights.
+    Either way the model comes back in train mode, ready to fine-tune (`from_pretrained` returns eval mode).
     """
     if pretrained is not None:
         folder = Path(pretrained).expanduser()
@@ -158,6 +159,6 @@ def build_model(
             raise FileNotFoundError(f"model.pretrained={str(pretrained)!r} is not a local Hugging Face model folder "
                                     "(no config.json there). Point it at a folder written by save_pretrained, "
                                     "or drop model.pretrained to train the named architecture from scratch.")
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).train()
     config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
     return AutoModelForCausalLM.from_config(config, dtype=dtype)

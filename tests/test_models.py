@@ -58,6 +58,11 @@ def test_pretrained_folder_loads_its_weights(tmp_path):
     torch.testing.assert_close(loaded(tokens).logits, saved(tokens).logits, rtol=0, atol=0)
 
 
+def test_pretrained_model_comes_back_ready_to_train(tmp_path):
+    build_model(small_llama()).save_pretrained(tmp_path)
+    assert all(m.training for m in build_model("tiny", pretrained=tmp_path).modules())
+
+
 def test_missing_pretrained_folder_says_what_to_pass(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.pretrained=.*not a local Hugging Face model folder"):
         build_model("tiny", pretrained=tmp_path / "nowhere")

@@ -1,6 +1,7 @@
 """train.py end to end: a short run learns and writes logs, checkpoints and an HF folder; bad settings fail clearly."""
 
 import csv
+import json
 import os
 import runpy
 import subprocess
@@ -17,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_slide.callbacks import ThroughputMemoryMonitor, standalone_weights
 from lightning_slide.config import SlideConfig
-from lightning_slide.models import MODELS
+from lightning_slide.data import byte_tokenizer
+from lightning_slide.models import MODELS, build_model, model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_RUN = ["trainer.max_steps=30", "trainer.val_check_interval=15", "trainer.log_every_n_steps=3",
@@ -108,6 +110,24 @@ def test_bad_value_names_the_setting(tmp_path):
         train(config("offload=none", "data.seq_len=0"), tmp_path)
 
 
+def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tmp_path):
+    pretrained = tmp_path / "pretrained"
+    build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(pretrained)
+    byte_tokenizer().save_pretrained(pretrained)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}? ", "response": f"A{i * i}."}) + "\n" for i in range(40)))
+    cfg = config("offload=none", f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}",
+                 "data.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=4")
+    train(cfg, tmp_path / "run")
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf_model", local_files_only=True)
+    assert tuned.config.num_hidden_layers == 1
+
+
+def test_bad_offload_setting_is_refused_by_the_strategy(tmp_path):
+    with pytest.raises(ValueError, match="SlideConfig.slots=1 is not valid"):
+        train(config("offload=cpu", "offload.slots=1"), tmp_path)
+
+
 def test_malformed_jsonl_names_the_line(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n')
@@ -119,6 +139,11 @@ def test_every_model_recipe_names_a_registered_model():
     recipes = {p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")}
     assert recipes == set(MODELS)
     assert all(config(f"model={name}").model.name == name for name in recipes)
+
+
+def test_model_recipe_sets_its_learning_rate_and_the_command_line_wins():
+    assert config("model=llama3_8b").optim.lr < config("model=tiny").optim.lr
+    assert config("model=llama3_8b", "optim.lr=2e-5").optim.lr == 2e-5
 
 
 def test_cpu_offload_recipe_is_a_valid_slide_config():
