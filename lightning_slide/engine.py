@@ -93,6 +93,9 @@ class _PartFunction(torch.autograd.Function):
         return (None, None, *ctx.call.backward(grads))
 
 
+_TENSOR = object()  # marks where an output tensor goes when a call's output structure is rebuilt
+
+
 class _Call:
     """One forward call of a part, remembered (its input only) until its backward."""
 
@@ -116,13 +119,16 @@ class _Call:
         self.rng = _rng_state(engine.device) if self.part.needs_rng else None
         out = engine._compute(self.part, slots, self.leaves, self.spec, {})
         engine._leave(self.part, slots, +1)
-        self.out_leaves, self.out_spec = tree_flatten(out)
-        return tuple(x for x in self.out_leaves if isinstance(x, torch.Tensor))
+        for i in self.grad_positions:  # the saved copy is the only reference the backward needs
+            self.leaves[i] = None
+        leaves, self.out_spec = tree_flatten(out)
+        # Keep no output tensor here: an output holds this node, which holds this call (a leaking cycle).
+        self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         it = iter(tensors)
-        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self.out_leaves]
-        return tree_unflatten(leaves, self.out_spec)
+        return tree_unflatten([next(it) if x is _TENSOR else x for x in self.out_leaves], self.out_spec)
 
     def prefetch(self) -> None:
         for s in self.saved:
@@ -152,7 +158,7 @@ class _Call:
         )
         engine._store_grads(part, slots, trainable, grads[len(inputs) :])
         engine._leave(part, slots, -1)
-        self.saved = []
+        self.saved, self.leaves = [], []
         return list(grads[: len(inputs)])
 
 
@@ -224,8 +230,10 @@ class SlideEngine:
         self.window = Window(self.storages, [s.dedicated for s in specs], config.slots, dtype, device, self.h2d,
                              self.adam, training, config.chunk_elems)
         pin = device.type == "cuda"
-        self.pump = GradPump(LandingRing(config.grad_buffers, config.chunk_elems, pin, self.failure), self.d2h,
-                             self.adam, self.failure) if training else None
+        chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
+        widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
+        self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
+                             self.failure, widen_on) if training else None
         self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts))
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)

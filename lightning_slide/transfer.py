@@ -49,7 +49,7 @@ class Dispatch:
     """A unit's complete gradient, sitting in a GPU slot, to be sent to the optimizer."""
 
     unit: int
-    grads: torch.Tensor  # flat fp32 view of the slot's gradient buffer
+    grads: torch.Tensor  # flat view of the slot's gradient buffer (compute dtype)
     ready: object  # compute-lane event after the last gradient write
     plan: StepPlan | None
     accumulate: bool
@@ -58,10 +58,15 @@ class Dispatch:
 
 
 class GradPump:
-    """The copy thread: chunks each dispatched gradient through the landing ring to Layer-Adam."""
+    """The copy thread: chunks each dispatched gradient through the landing ring to Layer-Adam.
 
-    def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure) -> None:
+    Low-precision gradients are widened to fp32 on the device, one chunk at a time, on their way out: the
+    CPU optimizer reads fp32 without a conversion pass over host memory, and GPU slots stay half the size.
+    """
+
+    def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure, widen_on: torch.device | None) -> None:
         self.ring, self.d2h, self.adam = ring, d2h, adam
+        self.widen = torch.empty(ring.elems, device=widen_on) if widen_on is not None else None
         self.bytes = 0
         self.worker: Worker[Dispatch] = Worker("grad-copy", self._handle, failure)
 
@@ -76,7 +81,10 @@ class GradPump:
                 end = min(start + step, n)
                 i = self.ring.acquire()
                 landing = self.ring.buffers[i][: end - start]
-                landing.copy_(item.grads[start:end], non_blocking=True)
+                source = item.grads[start:end]
+                if self.widen is not None:
+                    source = self.widen[: end - start].copy_(source)
+                landing.copy_(source, non_blocking=True)
                 event = self.d2h.record(self.ring.events[i])
                 self.adam.put(
                     GradChunk(item.unit, start, landing, event, partial(self.ring.release, i), item.plan,

@@ -1,6 +1,6 @@
 """The GPU window: a fixed ring of pre-allocated slots that decoder blocks slide through.
 
-A slot holds one unit's weights in the compute dtype and its fp32 gradient. The vocabulary-sized units
+A slot holds one unit's weights and its gradient, both in the compute dtype. The vocabulary-sized units
 (embedding, head) get a dedicated slot each, so ring slots are sized to a decoder block. Nothing is
 allocated after construction; a load is one pinned-host-to-device copy (plus an on-device cast from the
 fp32 master) on the h2d lane, ordered by events against the compute that last read the slot.
@@ -20,7 +20,7 @@ from lightning_slide.streams import Lane
 class Slot:
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device, with_grads: bool) -> None:
         self.params = torch.empty(capacity, dtype=dtype, device=device)
-        self.grads = torch.empty(capacity, dtype=torch.float32, device=device) if with_grads else None
+        self.grads = torch.empty(capacity, dtype=dtype, device=device) if with_grads else None
         self.unit: int | None = None
         self.version = -1
         self.loaded = None  # h2d event: weights are in

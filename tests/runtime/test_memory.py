@@ -1,0 +1,36 @@
+"""Steady-state steps hold on to nothing: no graph, saved input or call survives its step."""
+
+import gc
+
+import torch
+
+from lightning_slide import SlideConfig, SlideEngine
+from lightning_slide.engine import _Call
+from tests.runtime.helpers import param_groups, tiny_model, token_batches
+
+
+def _live_calls() -> int:
+    gc.collect()
+    return sum(isinstance(o, _Call) for o in gc.get_objects())
+
+
+def test_nothing_from_a_step_outlives_it():
+    model = tiny_model("qwen2-tied")
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(activations="cpu"),
+                         torch.device("cpu"), torch.float32)
+    for x in token_batches(3):
+        engine.new_micro_batch()
+        engine.begin_step()
+        model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+        assert _live_calls() == 0
+    engine.close()
+
+
+def test_landing_buffers_are_no_larger_than_the_largest_unit():
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"),
+                         torch.float32)
+    largest = max(s.trainable_numel for s in engine.storages)
+    assert all(b.numel() <= largest for b in engine.pump.ring.buffers)
+    engine.close()
