@@ -46,6 +46,7 @@ class Case:
     chain: str | None = None
     known_failure: str | None = None
     adam_params: int = 500_000_000
+    slide_settings: tuple[tuple[str, object], ...] = ()  # extra SlideStrategy settings, e.g. (("h2d_source", "shadow"),)
 
     @property
     def tokens_per_step(self) -> int:
@@ -154,6 +155,9 @@ SUITES: dict[str, list[Case]] = {
     "more": _unique([c for c in _more() if c.name not in {t.name for t in _targets()}]),
     "ladders": _ladders(),
     "smoke": _smoke(),
+    # what a load reads from host memory: the pinned fp32 master (default) or a pinned bf16 shadow copy
+    "h2d": [make("slide", "llama3_8b", 8, name="llama3_8b-mb8-cap24-slide-cpu-shadow", est_s=90,
+                 slide_settings=(("h2d_source", "shadow"),))],
 }
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["ladders"])
 CASES: dict[str, Case] = {c.name: c for suite in SUITES.values() for c in suite}

@@ -100,7 +100,8 @@ def _strategy(case: Case) -> tuple[object, dict]:
         return SYSTEMS[case.system], {}
     from lightning_slide import SlideStrategy
 
-    settings = {"offload": case.tier, **({"nvme_path": NVME_PATH} if case.tier == "nvme" else {})}
+    settings = {"offload": case.tier, **({"nvme_path": NVME_PATH} if case.tier == "nvme" else {}),
+                **dict(case.slide_settings)}
     strategy = SlideStrategy(**settings)
     config = getattr(strategy, "config", None)
     return strategy, (dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {})

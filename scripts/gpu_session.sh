@@ -22,7 +22,7 @@ case "${1:-check}" in
     timeout 300 python3 -m pytest -q -m gpu tests/gpu tests/ops -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     ;;
   ops)
-    timeout 300 python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" 2>&1 | tee "$OUT/bench_ops.log" | tail -30
+    timeout 300 python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" 2>&1 | tee /tmp/bench_ops.log | tail -30
     # at most 8 files come back from the GPU machine: one JSON-lines file and the plot
     python3 -c "import json,glob; print('\n'.join(json.dumps(json.load(open(f))) for f in sorted(glob.glob('/tmp/ops/*.json'))))" > "$OUT/ops_results.jsonl"
     cp /tmp/ops/*.png "$OUT/" 2>/dev/null
