@@ -42,9 +42,10 @@ def token_batches(count: int, batch: int = 2, seed: int = 1) -> list[torch.Tenso
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
-    """The usual LLM recipe: no weight decay on norms and biases."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """The usual LLM recipe: no weight decay on norms and biases (frozen parameters left out)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -53,9 +54,10 @@ def warmup_decay(step: int) -> float:
 
 
 class CausalLM(LightningModule):
-    def __init__(self, model: torch.nn.Module, lr: float = 3e-3, optimizer: type = torch.optim.AdamW) -> None:
+    def __init__(self, model: torch.nn.Module, lr: float = 3e-3, optimizer: type = torch.optim.AdamW,
+                 **optimizer_kwargs) -> None:
         super().__init__()
-        self.model, self.lr, self.optimizer_cls = model, lr, optimizer
+        self.model, self.lr, self.optimizer_cls, self.optimizer_kwargs = model, lr, optimizer, optimizer_kwargs
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss
@@ -66,7 +68,7 @@ class CausalLM(LightningModule):
         self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
 
     def configure_optimizers(self):
-        opt = self.optimizer_cls(param_groups(self.model), lr=self.lr)
+        opt = self.optimizer_cls(param_groups(self.model), lr=self.lr, **self.optimizer_kwargs)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -79,24 +81,26 @@ def trainer(strategy, steps: int, accumulate: int = 1, clip: float | None = None
                    gradient_clip_val=clip, **{**settings, **kwargs})
 
 
-def fit(model: torch.nn.Module, batches: list[torch.Tensor], strategy, steps: int, **kwargs) -> CausalLM:
-    module = CausalLM(copy.deepcopy(model), optimizer=kwargs.pop("optimizer", torch.optim.AdamW))
+def fit(model: torch.nn.Module, batches: list[torch.Tensor], strategy, steps: int,
+        optimizer: type = torch.optim.AdamW, optimizer_kwargs: dict | None = None, **kwargs) -> CausalLM:
+    module = CausalLM(copy.deepcopy(model), optimizer=optimizer, **(optimizer_kwargs or {}))
     trainer(strategy, steps, **kwargs).fit(module, DataLoader(batches, batch_size=None))
     return module
 
 
 def reference(model: torch.nn.Module, batches: list[torch.Tensor], steps: int, accumulate: int = 1,
-              clip: float | None = None, optimizer: type = torch.optim.AdamW, device: str = "cpu") -> torch.nn.Module:
+              clip: float | None = None, optimizer: type = torch.optim.AdamW, device: str = "cpu",
+              optimizer_kwargs: dict | None = None) -> torch.nn.Module:
     """The same training as a plain PyTorch loop: loss / accumulate, clip_grad_norm_, step, scheduler."""
     model = copy.deepcopy(model).to(device)
-    opt = optimizer(param_groups(model), lr=3e-3)
+    opt = optimizer(param_groups(model), lr=3e-3, **(optimizer_kwargs or {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay)
     for step in range(steps):
         for x in batches[step * accumulate : (step + 1) * accumulate]:
             x = x.to(device)
             (model(input_ids=x, labels=x).loss / accumulate).backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
         opt.step()
         sched.step()
         opt.zero_grad()

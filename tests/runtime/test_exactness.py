@@ -43,6 +43,24 @@ def test_adam_with_coupled_weight_decay_matches_torch_adam():
     assert relative_difference(expected, got.model) <= 1e-6
 
 
+@pytest.mark.parametrize("options", [dict(amsgrad=True), dict(maximize=True)], ids=["amsgrad", "maximize"])
+def test_adamw_options_match_torch(options):
+    model, batches = tiny_model("qwen3"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS, optimizer_kwargs=options)
+    got = fit(model, batches, "slideformer", STEPS, optimizer_kwargs=options)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
+def test_frozen_parameters_stay_put_and_the_rest_matches_adamw():
+    model, batches = tiny_model("llama"), token_batches(STEPS * 2)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    expected = reference(model, batches, STEPS, accumulate=2, clip=0.5)
+    got = fit(model, batches, "slideformer", STEPS, accumulate=2, clip=0.5)
+    assert relative_difference(expected, got.model) <= 1e-6
+    assert torch.equal(got.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 @pytest.mark.parametrize("h2d_source", ["master", "shadow"])
 def test_bf16_mixed_stays_within_bf16_noise_of_fp32_training(h2d_source):
     """bf16 rounding makes runs differ; ours may differ from fp32 training about as much as Lightning's own bf16."""
