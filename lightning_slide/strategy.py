@@ -22,10 +22,11 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
+from lightning_slide.planner import Plan, Resources, Setup, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
 
 
@@ -74,6 +75,7 @@ class SlideStrategy(SingleDeviceStrategy):
         super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision_plugin)
         self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
         self.engine: SlideEngine | None = None
+        self.plan: Plan | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -110,9 +112,11 @@ class SlideStrategy(SingleDeviceStrategy):
                 )
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
+        optimizer = self.optimizers[0] if fitting else None
+        self._plan_memory(trainer, module, optimizer, precision.compute_dtype)
         self.engine = SlideEngine(
             module,
-            self.optimizers[0] if fitting else None,
+            optimizer,
             self.config,
             self.root_device,
             precision.compute_dtype,
@@ -122,6 +126,18 @@ class SlideStrategy(SingleDeviceStrategy):
         )
         precision.engine = self.engine
         self.setup_precision_plugin()
+
+    def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any, dtype: torch.dtype) -> None:
+        """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
+        setup = Setup(
+            self.config, self.root_device.type, dtype, training=optimizer is not None,
+            grad_sums=trainer.accumulate_grad_batches > 1 or bool(self._clip_norm(trainer))
+            or not module.automatic_optimization,
+            amsgrad=optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups),
+        )
+        _, self.plan = plan_for_run(module, optimizer, setup)
+        rank_zero_info(self.plan.describe())
+        self.plan.check(Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module)))
 
     def _validate(self, trainer: Trainer, module: LightningModule) -> None:
         if self.parallel_devices and len(self.parallel_devices) > 1:

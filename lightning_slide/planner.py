@@ -1,0 +1,336 @@
+"""The planner: what the sliding runtime will allocate, where, and whether it fits, before anything is allocated.
+
+It mirrors the engine's allocations one by one (storage.py, window.py, transfer.py, activations.py), so a run
+that cannot fit is refused at setup with the numbers and the setting to change, instead of dying of an OOM
+halfway through the first step. Two parts: the static plan (weights, optimizer state, slots, buffers) is
+known from the model and the settings alone; the batch plan (saved inputs, compute workspace) needs the
+micro-batch and sequence length, which only the first batch tells.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import psutil
+import torch
+from torch import nn
+
+from lightning_slide.adapters import causal_lm_units, find_causal_lm
+from lightning_slide.config import SlideConfig
+
+Where = Literal["gpu", "pinned", "ram", "disk"]
+LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
+GiB = 2**30
+LOSS_CHUNK_BYTES = 63 * 2**20  # the fused loss kernel's logits buffer (ops.cross_entropy.CHUNK_MIB)
+
+
+class PlanError(MemoryError):
+    """The plan does not fit the machine; raised before anything is allocated."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One allocation: what it is, where it lives, its size, and the setting that shrinks or moves it."""
+
+    what: str
+    where: Where
+    bytes: int
+    remedy: str = ""
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """A unit's owned parameters (a tied head weight belongs to the embedding unit, as in the engine)."""
+
+    name: str
+    numel: int
+    trainable: int
+    dedicated: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-unit parameter counts and the dimensions the batch plan needs."""
+
+    units: tuple[UnitSize, ...]
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: object) -> "ModelShape":
+        """From a Hugging Face config, for full fine-tuning: the model is built on the meta device (no memory)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return cls.from_model(model, {id(p) for p in model.parameters()})
+
+    @classmethod
+    def from_model(cls, root: nn.Module, trainable: set[int]) -> "ModelShape":
+        """From a built model; `trainable` holds the ids of the parameters the optimizer updates."""
+        model = find_causal_lm(root)
+        owner: dict[int, nn.Parameter] = {}
+        units = []
+        for spec in causal_lm_units(model):
+            owned = {id(p): p for m in spec.parts for p in m.parameters() if id(p) not in owner}
+            owner.update(owned)
+            units.append(UnitSize(spec.name, sum(p.numel() for p in owned.values()),
+                                  sum(p.numel() for i, p in owned.items() if i in trainable), spec.dedicated))
+        c = model.config
+        heads = c.num_attention_heads
+        return cls(tuple(units), c.hidden_size, c.intermediate_size, heads,
+                   getattr(c, "num_key_value_heads", None) or heads,
+                   getattr(c, "head_dim", None) or c.hidden_size // heads, c.vocab_size)
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def trainable(self) -> int:
+        return sum(u.trainable for u in self.units)
+
+    @property
+    def saves(self) -> int:
+        """Saved inputs per micro-batch: one per decoder block, two for the head unit (norm and lm_head)."""
+        return sum(not u.dedicated for u in self.units) + 2
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run settings that change what the engine allocates."""
+
+    config: SlideConfig
+    device: str = "cuda"  # the compute device type: "cuda", or "cpu" (slots then live in host RAM)
+    dtype: torch.dtype = torch.bfloat16  # compute dtype: bf16 for bf16 precisions, fp32 for "32-true"
+    training: bool = True  # an optimizer exists (fit); False for validate/predict
+    grad_sums: bool = False  # accumulate_grad_batches > 1, gradient clipping or manual optimization
+    amsgrad: bool = False
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype != torch.float32
+
+    @property
+    def compute_bytes(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def on_device(self) -> Where:
+        return "gpu" if self.cuda else "ram"
+
+    @property
+    def pinned(self) -> Where:
+        return "pinned" if self.cuda else "ram"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the machine has free, in bytes per location (None: not there, or not needed)."""
+
+    ram: int
+    gpu: int | None = None
+    disk: int | None = None
+    resident: int = 0  # host bytes the model's weights already hold: the engine copies them into the master
+
+    @classmethod
+    def probe(cls, device: torch.device, nvme_path: str | None = None, resident: int = 0) -> "Resources":
+        return cls(available_ram(), available_vram(device) if device.type == "cuda" else None,
+                   available_disk(nvme_path) if nvme_path else None, resident)
+
+    def free(self, pool: str) -> int | None:
+        return {"host": self.ram + self.resident, "gpu": self.gpu, "disk": self.disk}[pool]
+
+
+def available_ram() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def available_vram(device: torch.device) -> int:
+    """What this process may still allocate: its memory-fraction cap, the card's free memory, and the cache."""
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    capped = int(torch.cuda.get_device_properties(device).total_memory * fraction) - allocated
+    return min(capped, torch.cuda.mem_get_info(device)[0] + reserved - allocated)
+
+
+def available_disk(path: str) -> int:
+    return shutil.disk_usage(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))).free
+
+
+# Host RAM and pinned memory come out of the same physical RAM; the check groups locations this way.
+_POOLS = {"host": ("pinned", "ram"), "gpu": ("gpu",), "disk": ("disk",)}
+_POOL_NAMES = {"host": "host RAM", "gpu": "GPU memory", "disk": "disk"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every allocation of a run, with a readable table and a fit check."""
+
+    entries: tuple[Entry, ...]
+
+    @classmethod
+    def static(cls, shape: ModelShape, setup: Setup) -> "Plan":
+        """Weights, optimizer state, GPU slots and transfer buffers: all the engine allocates at construction."""
+        return cls(tuple(e for e in (*_host_state(shape, setup), *_window(shape, setup), *_transfer(shape, setup))
+                         if e.bytes > 0))
+
+    def with_batch(self, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
+                   gpu_free: int | None = None) -> "Plan":
+        """Add what one micro-batch needs: saved part inputs and the workspace of recomputing one unit.
+
+        `gpu_free` is what the GPU had before this plan; it decides `activations="auto"` as the engine will.
+        """
+        tokens = micro_batch * seq_len
+        acts = shape.saves * tokens * shape.hidden * setup.compute_bytes
+        offload = _offloads(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
+        batch = (*_activations(shape, setup, tokens, acts, offload), _workspace(shape, setup, tokens))
+        return replace(self, entries=self.entries + tuple(e for e in batch if e.bytes > 0))
+
+    @classmethod
+    def estimate(cls, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
+                 resources: Resources | None = None) -> "Plan":
+        """The whole plan of a run whose batch shape is known."""
+        gpu_free = resources.gpu if resources is not None else None
+        return cls.static(shape, setup).with_batch(shape, setup, micro_batch, seq_len, gpu_free)
+
+    def total(self, *where: str) -> int:
+        return sum(e.bytes for e in self.entries if e.where in where)
+
+    def describe(self) -> str:
+        """One line per allocation, then one per location (GiB)."""
+        width = max((len(e.what) for e in self.entries), default=10)
+        lines = ["slideformer memory plan:"]
+        lines += [f"  {e.what:<{width}}  {e.where:<6}  {e.bytes / GiB:9.3f} GiB" for e in self.entries]
+        lines += [f"  {'total':<{width}}  {w:<6}  {self.total(w) / GiB:9.3f} GiB" for w in LOCATIONS if self.total(w)]
+        return "\n".join(lines)
+
+    def check(self, resources: Resources) -> None:
+        """Raise PlanError naming the first pool that overflows: needed, available, and what to change."""
+        for pool, locations in _POOLS.items():
+            needed, free = self.total(*locations), resources.free(pool)
+            if free is not None and needed > free:
+                raise PlanError(self._refusal(pool, locations, needed, free, resources))
+
+    def _refusal(self, pool: str, locations: tuple[str, ...], needed: int, free: int, resources: Resources) -> str:
+        items = sorted((e for e in self.entries if e.where in locations), key=lambda e: -e.bytes)
+        there = f"{free / GiB:.2f} GiB available"
+        if pool == "host" and resources.resident:
+            there += (f" ({resources.ram / GiB:.2f} GiB free + {resources.resident / GiB:.2f} GiB the model's "
+                      "weights already hold, which become the fp32 master)")
+        largest = "; ".join(f"{e.what} {e.bytes / GiB:.2f} GiB" for e in items[:4])
+        remedies = list(dict.fromkeys(e.remedy for e in items if e.remedy))
+        return (f"slideformer cannot fit this run in {_POOL_NAMES[pool]}: it needs {needed / GiB:.2f} GiB, "
+                f"{there}. Largest items: {largest}. To fit, change: " + "; or ".join(remedies) + ".")
+
+
+def _offloads(setup: Setup, acts: int, gpu_left: int | None) -> bool:
+    """The engine's `activations="auto"` rule: offload when the inputs take over half of the free GPU."""
+    if setup.config.activations != "auto":
+        return setup.config.activations == "cpu"
+    return setup.cuda and gpu_left is not None and acts > 0.5 * gpu_left
+
+
+def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
+    """storage.py: fp32 master (pinned on CUDA), Adam moments, and the optional per-parameter extras."""
+    n, t = shape.numel, shape.trainable if setup.training else 0
+    nvme = "offload='nvme' (coming) to keep it on disk"
+    entries = [
+        Entry("fp32 master weights", setup.pinned, 4 * n, nvme),
+        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * t, nvme),
+    ]
+    if setup.training and setup.grad_sums:
+        entries.append(Entry("fp32 gradient sums", "ram", 4 * t,
+                            "accumulate_grad_batches=1, no gradient clipping and automatic optimization"))
+    if setup.training and setup.amsgrad:
+        entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))
+    if setup.config.h2d_source == "shadow" and setup.low_precision:
+        entries.append(Entry("bf16 shadow weights", setup.pinned, 2 * n, "h2d_source='master'"))
+    return entries
+
+
+def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
+    """window.py: a dedicated slot per vocabulary-sized unit, a ring of block-sized slots, fp32 staging."""
+    per_elem = setup.compute_bytes * (2 if setup.training else 1)  # weights, plus gradients when training
+    slots = [Entry(f"{u.name} slot (weights{' + grads' if setup.training else ''})", setup.on_device,
+                   u.numel * per_elem) for u in shape.units if u.dedicated]
+    block = max((u.numel for u in shape.units if not u.dedicated), default=0)
+    slots.append(Entry(f"ring: {setup.config.slots} block slots", setup.on_device,
+                       setup.config.slots * block * per_elem, f"slots={setup.config.slots - 1}"
+                       if setup.config.slots > 2 else ""))
+    if setup.cuda and setup.low_precision and setup.config.h2d_source == "master":
+        staging = min(setup.config.chunk_elems, max(u.numel for u in shape.units))
+        slots.append(Entry("fp32 load staging", "gpu", 4 * staging, "a smaller chunk_elems"))
+    return slots
+
+
+def _transfer(shape: ModelShape, setup: Setup) -> list[Entry]:
+    """transfer.py: the gradient landing ring (pinned on CUDA) and the device-side fp32 widening buffer."""
+    if not setup.training:
+        return []
+    chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
+    entries = [Entry(f"gradient landing ring ({setup.config.grad_buffers} x fp32 chunk)", setup.pinned,
+                     setup.config.grad_buffers * chunk * 4, "fewer grad_buffers or a smaller chunk_elems")]
+    if setup.cuda and setup.low_precision:
+        entries.append(Entry("fp32 gradient widening buffer", "gpu", chunk * 4, "a smaller chunk_elems"))
+    return entries
+
+
+def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, offload: bool) -> list[Entry]:
+    """activations.py: each part's input waits for its backward on the device, or in (pinned) host RAM."""
+    hidden = tokens * shape.hidden * setup.compute_bytes
+    if not offload:
+        remedy = "activations='cpu' or a smaller micro_batch" if setup.cuda else "a smaller micro_batch"
+        return [Entry(f"saved part inputs ({shape.saves})", setup.on_device, acts, remedy),
+                Entry("hidden states in flight", setup.on_device, 2 * hidden, "a smaller micro_batch")]
+    return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
+                  "a smaller micro_batch or seq_len"),
+            Entry("hidden states in flight + prefetched inputs", setup.on_device, 4 * hidden, "a smaller micro_batch")]
+
+
+def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
+    """Transient memory of recomputing the costliest unit (a decoder block or the loss head) in its backward.
+
+    A Llama-style block's forward under autograd keeps, per token, its RMSNorm outputs and fp32
+    intermediates, q/k/v and their rotary copies, the SDPA output (flash/efficient kernels: no seq x seq
+    scores), the SwiGLU gate, up, activation and product, and its residuals; the coefficients below match
+    the peak measured for HF's LlamaDecoderLayer forward + backward on the CPU (fp32 and bf16, within 3%).
+    The weight gradients exist once more before the engine copies them into the slot. The head either runs
+    the fused loss (CUDA kernels: one logits chunk) or builds full logits (compute dtype, then fp32
+    log-softmax and gradient), and also produces a vocabulary-sized weight gradient.
+    """
+    c, h, q, kv = setup.compute_bytes, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_token = (7 * h + 3 * q + 4 * kv + 4 * shape.intermediate) * c + 3 * h * 4
+    block = tokens * per_token + max((u.numel for u in shape.units if not u.dedicated), default=0) * c
+    weight_grad = shape.vocab * h * c
+    if setup.cuda and setup.config.use_kernels:
+        head = LOSS_CHUNK_BYTES + weight_grad + 2 * tokens * h * c
+    else:
+        head = tokens * shape.vocab * (2 * c + 8) + weight_grad + 2 * tokens * h * c
+    return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),
+                 "a smaller micro_batch or seq_len")
+
+
+def plan_for_run(root: nn.Module, optimizer: torch.optim.Optimizer | None, setup: Setup) -> tuple[ModelShape, Plan]:
+    """The static plan of a built model: the strategy calls this before the engine allocates anything."""
+    trainable = set() if optimizer is None else {
+        id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    shape = ModelShape.from_model(root, trainable)
+    return shape, Plan.static(shape, setup)
+
+
+def resident_bytes(root: nn.Module) -> int:
+    """Host bytes the model's parameters hold now (the master copy frees them as it goes)."""
+    unique = {id(p): p for p in root.parameters() if p.device.type == "cpu"}
+    return sum(p.numel() * p.element_size() for p in unique.values())

@@ -1,0 +1,203 @@
+"""The planner predicts what the runtime allocates, and refuses a run that cannot fit before anything is allocated."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig
+
+import lightning_slide.planner as planner
+from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
+from lightning_slide.planner import GiB, ModelShape, Plan, PlanError, Resources, Setup
+from tests.runtime.helpers import CausalLM, param_groups, tiny_model, token_batches, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# About 31M parameters: big enough that weights and state dominate the interpreter's own noise.
+SMALL = dict(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=256, use_cache=False, tie_word_embeddings=False)
+# Llama-3.1-8B's shape (built on the meta device only).
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+
+
+def _engine_bytes(engine: SlideEngine) -> int:
+    """Every buffer the engine allocated at construction: host state, slots, landing ring."""
+    state = [t for s in engine.storages
+             for t in (s.master, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.shadow, s.grad_acc)]
+    slots = [t for slot in [*engine.window.ring, *engine.window.dedicated.values()] for t in (slot.params, slot.grads)]
+    landing = engine.pump.ring.buffers if engine.pump else []
+    return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing] if t is not None)
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, training, settings",
+    [
+        ("llama", torch.float32, True, {}),
+        ("qwen2-tied", torch.float32, True, {"grad_sums": True, "amsgrad": True}),
+        ("qwen3", torch.bfloat16, True, {"config": SlideConfig(h2d_source="shadow", chunk_elems=1024)}),
+        ("mistral", torch.float32, False, {}),
+    ],
+)
+def test_static_plan_is_exactly_what_the_engine_allocates(arch, dtype, training, settings):
+    model = tiny_model(arch)
+    setup = Setup(**{"config": SlideConfig(), **settings}, device="cpu", dtype=dtype, training=training)
+    optimizer = torch.optim.AdamW(param_groups(model), amsgrad=setup.amsgrad) if training else None
+    _, plan = planner.plan_for_run(model, optimizer, setup)
+    engine = SlideEngine(model, optimizer, setup.config, torch.device("cpu"), dtype, accumulate=setup.grad_sums)
+    assert plan.total("ram") == _engine_bytes(engine)
+    engine.close()
+
+
+def test_frozen_parameters_get_no_optimizer_state_in_the_plan():
+    model = tiny_model("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    shape, plan = planner.plan_for_run(model, optimizer, Setup(SlideConfig(), device="cpu", dtype=torch.float32))
+    adam = next(e for e in plan.entries if e.what.startswith("Adam"))
+    assert adam.bytes == 8 * (shape.numel - model.model.embed_tokens.weight.numel())
+
+
+def _measure_in_this_process(case: dict) -> dict:
+    """Peak RSS growth of building and training the SMALL model for 2 steps, against the planner's estimate."""
+    import psutil
+    from transformers import LlamaForCausalLM
+
+    config, dtype = SlideConfig(**case["slide"]), torch.float32
+    shape = ModelShape.from_config(LlamaConfig(**SMALL))
+    setup = Setup(config, "cpu", dtype, grad_sums=case["accumulate"], amsgrad=case["amsgrad"])
+    estimate = Plan.estimate(shape, setup, case["micro_batch"], case["seq_len"]).total("ram")
+    x = torch.randint(0, SMALL["vocab_size"], (case["micro_batch"], case["seq_len"]))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    base = psutil.Process().memory_info().rss
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))  # its weights become the master: inside the window
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters(), amsgrad=case["amsgrad"]), config,
+                         torch.device("cpu"), dtype, accumulate=case["accumulate"])
+    for _ in range(2):
+        engine.new_micro_batch()
+        engine.begin_step()
+        model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+        engine.synchronize()
+    peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    return {"estimate": estimate, "measured": peak - base}
+
+
+def measure_child() -> None:
+    print(json.dumps(_measure_in_this_process(json.loads(sys.argv[1]))))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux peak-RSS reset")
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(slide={}, accumulate=False, amsgrad=False, micro_batch=2, seq_len=256),
+        dict(slide={"activations": "cpu"}, accumulate=True, amsgrad=True, micro_batch=4, seq_len=128),
+    ],
+    ids=["plain", "sums-amsgrad-offloaded-activations"],
+)
+def test_estimate_is_within_ten_percent_of_measured_peak_rss(case):
+    """Measured in a fresh interpreter, so nothing earlier in the session sets the peak or fills the heap.
+
+    glibc's mmap threshold is fixed so that freed tensors leave RSS, as every tensor of a real LLM (over
+    32 MiB) does anyway; otherwise the small model's freed init weights would linger in the heap.
+    """
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONWARNINGS": "ignore"}
+    code = "from tests.runtime.test_planner import measure_child; measure_child()"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(case)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    error = result["estimate"] / result["measured"] - 1
+    assert abs(error) <= 0.10, f"estimate {result['estimate'] / 2**20:.0f} MiB, measured {result['measured'] / 2**20:.0f} MiB"
+
+
+def _llama_8b() -> ModelShape:
+    return ModelShape.from_config(LlamaConfig(**LLAMA_8B))
+
+
+def test_an_8b_model_on_too_little_ram_is_refused_with_needed_available_and_what_to_change():
+    shape = _llama_8b()
+    plan = Plan.estimate(shape, Setup(SlideConfig(), grad_sums=True), micro_batch=8, seq_len=1024)
+    with pytest.raises(PlanError) as caught:
+        plan.check(Resources(ram=64 * GiB, gpu=24 * GiB))
+    message = str(caught.value)
+    needed = plan.total("pinned", "ram") / GiB
+    assert needed > 64
+    assert f"host RAM: it needs {needed:.2f} GiB, 64.00 GiB available" in message
+    assert "offload='nvme'" in message
+    assert "accumulate_grad_batches=1, no gradient clipping" in message
+
+
+def test_too_many_tokens_on_the_gpu_are_refused_naming_activation_offload_and_micro_batch():
+    shape = _llama_8b()
+    plan = Plan.estimate(shape, Setup(SlideConfig(activations="device")), micro_batch=64, seq_len=1024)
+    with pytest.raises(PlanError) as caught:
+        plan.check(Resources(ram=512 * GiB, gpu=24 * GiB))
+    message = str(caught.value)
+    assert f"GPU memory: it needs {plan.total('gpu') / GiB:.2f} GiB, 24.00 GiB available" in message
+    assert "activations='cpu'" in message and "smaller micro_batch" in message
+
+
+def test_a_plan_that_fits_passes_the_check():
+    plan = Plan.estimate(_llama_8b(), Setup(SlideConfig()), micro_batch=8, seq_len=1024)
+    plan.check(Resources(ram=126 * GiB, gpu=24 * GiB))
+    assert plan.total("gpu") < 24 * GiB
+
+
+def test_auto_activations_move_to_pinned_ram_when_they_would_crowd_the_gpu():
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="auto"))
+    roomy = Plan.estimate(shape, setup, 8, 1024, Resources(ram=126 * GiB, gpu=120 * GiB))
+    tight = Plan.estimate(shape, setup, 8, 1024, Resources(ram=126 * GiB, gpu=10 * GiB))
+    acts = 34 * 8 * 1024 * 4096 * 2  # 32 blocks + norm + lm_head inputs, bf16
+    assert any(e.where == "gpu" and e.bytes == acts for e in roomy.entries)
+    assert any(e.where == "pinned" and e.bytes == acts for e in tight.entries)
+
+
+def test_memory_already_held_by_the_model_counts_as_available():
+    plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
+    need = plan.total("ram")
+    plan.check(Resources(ram=need // 2, resident=need - need // 2))
+    with pytest.raises(PlanError, match="already hold, which become the fp32 master"):
+        plan.check(Resources(ram=need // 2, resident=need // 4))
+
+
+def test_describe_lists_every_entry_and_each_location_total():
+    plan = Plan.estimate(_llama_8b(), Setup(SlideConfig(activations="cpu"), grad_sums=True), 8, 1024)
+    text = plan.describe()
+    for e in plan.entries:
+        assert f"{e.what}" in text and f"{e.bytes / GiB:.3f} GiB" in text
+    for where in ("gpu", "pinned", "ram"):
+        assert f"{plan.total(where) / GiB:.3f} GiB" in text
+    assert len(text.splitlines()) == 1 + len(plan.entries) + 3
+
+
+def _own_storage(module: torch.nn.Module) -> bool:
+    """True while no parameter has been moved into a flat master buffer (each still owns its storage)."""
+    return all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_fit_refuses_at_setup_before_the_engine_allocates(monkeypatch):
+    monkeypatch.setattr(planner, "available_ram", lambda: 0)
+    module = CausalLM(tiny_model())
+    strategy = SlideStrategy()
+    with pytest.raises(PlanError, match="host RAM: it needs .* GiB available .* To fit, change: "):
+        trainer(strategy, 2).fit(module, DataLoader(token_batches(2), batch_size=None))
+    assert strategy.engine is None
+    assert _own_storage(module)
+
+
+def test_fit_keeps_the_plan_of_what_it_allocated():
+    model = tiny_model("qwen2-tied")
+    module = CausalLM(copy.deepcopy(model))
+    strategy = SlideStrategy()
+    trainer(strategy, 1, accumulate=2).fit(module, DataLoader(token_batches(2), batch_size=None))
+    n = sum(p.numel() for p in model.parameters())
+    sizes = {e.what: e.bytes for e in strategy.plan.entries}
+    assert sizes["fp32 master weights"] == 4 * n
+    assert sizes["fp32 gradient sums"] == 4 * n
