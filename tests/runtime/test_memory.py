@@ -34,3 +34,23 @@ def test_landing_buffers_are_no_larger_than_the_largest_unit():
     largest = max(s.trainable_numel for s in engine.storages)
     assert all(b.numel() <= largest for b in engine.pump.ring.buffers)
     engine.close()
+
+
+def _loaded_bytes_per_step(slots: int) -> int:
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(slots=slots), torch.device("cpu"),
+                         torch.float32)
+    x = token_batches(1)[0]
+    engine.new_micro_batch()
+    engine.begin_step()
+    model(input_ids=x, labels=x).loss.backward()
+    engine.end_step()
+    loaded = engine.stats()["h2d_bytes"]
+    engine.close()
+    return loaded
+
+
+def test_a_window_as_large_as_the_model_loads_each_unit_once_per_step():
+    blocks_and_vocab_units = sum(p.numel() for p in tiny_model("llama").parameters()) * 4
+    assert _loaded_bytes_per_step(slots=8) == blocks_and_vocab_units
+    assert _loaded_bytes_per_step(slots=2) > blocks_and_vocab_units
