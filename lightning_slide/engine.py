@@ -219,8 +219,9 @@ class SlideEngine:
         self._prepare_model()
         specs = causal_lm_units(self.model)
         group_of = _group_index(optimizer, root) if optimizer is not None else {}
-        owned, self.parts = self._assign(specs, group_of)
+        owner, owned = _ownership(specs)
         self.storages = [UnitStorage(i, spec.name, owned[i], group_of) for i, spec in enumerate(specs)]
+        self.parts = [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
         self._add_host_state(optimizer)
         self._move_buffers(root)
         self.compute = Lane(device, side=False)
@@ -269,33 +270,20 @@ class SlideEngine:
 
             self._kernels = ops.patch(self.model)
 
-    def _assign(self, specs: list, group_of: dict[int, int]) -> tuple[list[list[nn.Parameter]], list[Part]]:
-        """Give each parameter to the first unit that uses it, and describe every part's bindings."""
-        owner: dict[int, int] = {}
-        owned: list[list[nn.Parameter]] = [[] for _ in specs]
-        for u, spec in enumerate(specs):
-            for module in spec.parts:
-                for p in module.parameters():
-                    if id(p) not in owner:
-                        owner[id(p)] = u
-                        owned[u].append(p)
-        return owned, [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
-
     def _part(self, unit: int, module: nn.Module, owner: dict[int, int], group_of: dict[int, int]) -> Part:
-        bindings = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
+        """Every parameter use inside one intercepted module, located in its owner unit's buffer."""
+        bindings = [
+            Binding(m, name, p, owner[id(p)], self.storages[owner[id(p)]].offsets[id(p)], id(p) in group_of)
+            for m in module.modules()
+            for name, p in m._parameters.items()
+            if p is not None
+        ]
         needs_rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()) or (
             float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0
         )
-        part = Part(unit, module, module.forward, [], needs_rng, module.__dict__.get("forward"))
-        part.bindings = [Binding(m, n, p, owner[id(p)], -1, id(p) in group_of) for m, n, p in bindings]
-        return part
+        return Part(unit, module, module.forward, bindings, needs_rng, module.__dict__.get("forward"))
 
     def _add_host_state(self, optimizer: Optimizer | None) -> None:
-        offsets = {id(p): s.offsets[id(p)] for s in self.storages for p in s.params}
-        for part in self.parts:
-            part.bindings = [
-                Binding(b.module, b.name, b.param, b.owner, offsets[id(b.param)], b.trainable) for b in part.bindings
-            ]
         amsgrad = optimizer is not None and any(g["amsgrad"] for g in optimizer.param_groups)
         for s in self.storages:
             if self.config.h2d_source == "shadow" and self.dtype != torch.float32:
@@ -505,6 +493,19 @@ class SlideEngine:
         for s in self.storages:
             s.release()
         self.window = None  # type: ignore[assignment]
+
+
+def _ownership(specs: list) -> tuple[dict[int, int], list[list[nn.Parameter]]]:
+    """Give each parameter to the first unit that uses it (a tied lm_head weight to the embedding)."""
+    owner: dict[int, int] = {}
+    owned: list[list[nn.Parameter]] = [[] for _ in specs]
+    for u, spec in enumerate(specs):
+        for module in spec.parts:
+            for p in module.parameters():
+                if id(p) not in owner:
+                    owner[id(p)] = u
+                    owned[u].append(p)
+    return owner, owned
 
 
 def _group_index(optimizer: Optimizer, root: nn.Module) -> dict[int, int]:
