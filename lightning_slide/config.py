@@ -24,7 +24,10 @@ class SlideConfig:
         and pipelines device-to-host copies with the update).
     grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
     use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
-    nvme_path: directory for the disk tier (offload="nvme").
+    nvme_path: directory for the disk tier (offload="nvme"; default: the system temporary directory). The
+        run's files go in a private directory there, removed when training ends (also after an error).
+    nvme_moments: with offload="nvme", the fraction (0..1) of the Adam moments kept on disk (whole units, in
+        index order) instead of RAM; None lets the strategy choose the least that fits the free RAM.
     """
 
     offload: Offload = "cpu"
@@ -35,6 +38,7 @@ class SlideConfig:
     grad_buffers: int = 3
     use_kernels: bool = True
     nvme_path: str | None = None
+    nvme_moments: float | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -44,6 +48,7 @@ class SlideConfig:
             "h2d_source": self.h2d_source in ("master", "shadow"),
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
+            "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -67,4 +72,5 @@ _HINTS = {
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
+    "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",
 }

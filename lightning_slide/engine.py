@@ -11,6 +11,7 @@ The engine imports no Lightning: the strategy (or any plain loop) drives it thro
 from __future__ import annotations
 
 import math
+import tempfile
 import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -27,9 +28,11 @@ from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.config import SlideConfig
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
+from lightning_slide.moments import Moments, disk_units
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
+from lightning_slide.tiers import TierDirectory
 from lightning_slide.transfer import Dispatch, GradPump, LandingRing
 from lightning_slide.window import Slot, Window
 
@@ -226,12 +229,15 @@ class SlideEngine:
         self._move_buffers(root)
         self.compute = Lane(device, side=False)
         self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
-        self.adam = LayerAdam(self.storages, self.failure)
         training = optimizer is not None
+        chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
+        self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
+        on_disk = disk_units([s.trainable_numel for s in self.storages], config.nvme_moments or 0.0) if self.tier and training else []
+        self.moments = Moments(self.storages, on_disk, self.tier, chunk, self.failure)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.slots, dtype, device, self.h2d,
                              self.adam, training, config.chunk_elems)
         pin = device.type == "cuda"
-        chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
         widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
         self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
                              self.failure, widen_on) if training else None
@@ -402,6 +408,8 @@ class SlideEngine:
         self.failure.check()
         self._plan = snapshot(self.optimizer, self._step + 1, self.clip_norm)
         self._dispatched = 0
+        if not self.deferred:  # backward dispatches units last to first
+            self.moments.plan(reversed(range(len(self.storages))))
 
     def end_step(self) -> None:
         plan, self._plan = self._plan, None
@@ -424,6 +432,7 @@ class SlideEngine:
             coef = plan.clip_norm / (math.sqrt(plan.sq_norm) + 1e-6)
             if coef < 1.0:
                 plan.grad_scale = torch.tensor(1.0 / coef)
+        self.moments.plan(range(len(self.storages)))
         for u, s in enumerate(self.storages):
             if s.trainable_numel:
                 self.adam.schedule(u)
@@ -475,6 +484,8 @@ class SlideEngine:
             "wait_update_s": self.window.wait_s,
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
+            "disk_read_bytes": self.moments.disk_bytes[0],
+            "disk_write_bytes": self.moments.disk_bytes[1],
         }
 
     def close(self) -> None:
@@ -484,6 +495,9 @@ class SlideEngine:
         for worker in (self.pump.worker if self.pump else None, self.adam.worker):
             if worker is not None:
                 worker.stop()
+        self.moments.close()
+        if self.tier is not None:
+            self.tier.close()
         for part in self.parts:
             part.module.__dict__.pop("forward", None)
             if part.own_forward is not None:

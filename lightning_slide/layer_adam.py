@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Adam, AdamW, Optimizer
 
+from lightning_slide.moments import Moments
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
@@ -82,8 +83,12 @@ def validate_optimizer(optimizer: Optimizer) -> None:
             raise ValueError("Adam(capturable=True) / Adam(differentiable=True) are not supported by slideformer.")
 
 
-def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
-    """AdamW over [start, start + len(grad)) of a unit's trainable range, one fused call per group segment."""
+def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, exp_avg: torch.Tensor,
+          exp_avg_sq: torch.Tensor) -> None:
+    """AdamW over [start, start + len(grad)) of a unit's trainable range, one fused call per group segment.
+
+    `exp_avg`/`exp_avg_sq` cover the same range (views of RAM, or buffers read from the disk tier).
+    """
     end = start + grad.numel()
     for seg in storage.segments:
         a, b = max(start, seg.start), min(end, seg.end)
@@ -91,11 +96,12 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor) 
             continue
         h = plan.groups[seg.group]
         update = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+        local = slice(a - start, b - start)
         update(
             [storage.master[a:b]],
-            [grad[a - start : b - start]],
-            [storage.exp_avg[a:b]],
-            [storage.exp_avg_sq[a:b]],
+            [grad[local]],
+            [exp_avg[local]],
+            [exp_avg_sq[local]],
             [storage.max_exp_avg_sq[a:b]] if h.amsgrad else [],
             [plan.step_tensor],
             amsgrad=h.amsgrad,
@@ -142,8 +148,8 @@ class LayerAdam:
     loaded for compute only when the two agree.
     """
 
-    def __init__(self, storages: list[UnitStorage], failure: Failure) -> None:
-        self.storages = storages
+    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure) -> None:
+        self.storages, self.moments = storages, moments
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
@@ -160,12 +166,13 @@ class LayerAdam:
         return self.failure.wait(lambda: self.applied[unit] >= self.scheduled[unit], f"the update of unit {unit}")
 
     def drain(self) -> float:
-        return self.failure.wait(self.worker.idle, "the optimizer thread")
+        return self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()
 
     def _handle(self, item: GradChunk | DeferredUpdate) -> None:
         if isinstance(item, DeferredUpdate):
-            storage = self.storages[item.unit]
-            adam_(storage, item.plan, 0, storage.grad_acc)
+            acc = self.storages[item.unit].grad_acc
+            for start, n in self.moments.spans(item.unit):
+                self._update(item.unit, item.plan, start, acc[start : start + n])
             self._finish(item.unit)
             return
         host_wait(item.ready)
@@ -173,10 +180,15 @@ class LayerAdam:
         if item.accumulate:
             grad = self._accumulate(item)
         if item.update:
-            adam_(self.storages[item.unit], item.plan, item.start, grad)
+            self._update(item.unit, item.plan, item.start, grad)
         item.release()
         if item.update and item.last:
             self._finish(item.unit)
+
+    def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
+        exp_avg, exp_avg_sq, done = self.moments.open(unit, start, grad.numel())
+        adam_(self.storages[unit], plan, start, grad, exp_avg, exp_avg_sq)
+        done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
         acc = self.storages[item.unit].grad_acc[item.start : item.start + item.grad.numel()]

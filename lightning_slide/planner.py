@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.config import SlideConfig
+from lightning_slide.moments import READ_AHEAD, disk_units
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
@@ -243,13 +244,20 @@ def _offloads(setup: Setup, acts: int, gpu_left: int | None) -> bool:
 
 
 def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
-    """storage.py: fp32 master (pinned on CUDA), Adam moments, and the optional per-parameter extras."""
+    """storage.py + moments.py: fp32 master (pinned on CUDA), Adam moments (RAM or disk), optional extras."""
     n, t = shape.numel, shape.trainable if setup.training else 0
-    nvme = "offload='nvme' (coming) to keep it on disk"
+    on_disk = _moments_on_disk(shape, setup)
+    more_disk = ("a larger nvme_moments" if setup.config.offload == "nvme"
+                 else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     entries = [
-        Entry("fp32 master weights", setup.pinned, 4 * n, nvme),
-        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * t, nvme),
+        Entry("fp32 master weights", setup.pinned, 4 * n, "a smaller model (the master stays in RAM)"),
+        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * (t - on_disk), more_disk),
     ]
+    if on_disk:
+        chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
+        entries += [Entry("Adam exp_avg + exp_avg_sq on disk", "disk", 8 * on_disk, "a smaller nvme_moments"),
+                    Entry(f"moment read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * 8 * chunk,
+                          "a smaller chunk_elems")]
     if setup.training and setup.grad_sums:
         entries.append(Entry("fp32 gradient sums", "ram", 4 * t,
                             "accumulate_grad_batches=1, no gradient clipping and automatic optimization"))
@@ -258,6 +266,27 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     if setup.config.h2d_source == "shadow" and setup.low_precision:
         entries.append(Entry("bf16 shadow weights", setup.pinned, 2 * n, "h2d_source='master'"))
     return entries
+
+
+def _moments_on_disk(shape: ModelShape, setup: Setup) -> int:
+    """Trainable elements whose moments the engine puts on disk (the same whole-unit choice)."""
+    if not setup.training or setup.config.offload != "nvme":
+        return 0
+    trainable = [u.trainable for u in shape.units]
+    return sum(trainable[u] for u in disk_units(trainable, setup.config.nvme_moments or 0.0))
+
+
+def fit_moments(shape: ModelShape, setup: Setup, resources: Resources, headroom: float = 0.1) -> float:
+    """The least fraction of the moments on disk (whole units) that leaves `headroom` of the host RAM free."""
+    trainable = [u.trainable for u in shape.units]
+    total, budget = sum(trainable), (1 - headroom) * resources.free("host")
+    placed = 0
+    for n in [0, *trainable]:
+        placed += n
+        config = replace(setup.config, nvme_moments=placed / total if total else 0.0)
+        if Plan.static(shape, replace(setup, config=config)).total(*_POOLS["host"]) <= budget:
+            return config.nvme_moments
+    return 1.0
 
 
 def _window(shape: ModelShape, setup: Setup) -> list[Entry]:

@@ -38,7 +38,8 @@ def unpin_(tensor: torch.Tensor) -> None:
 class UnitStorage:
     """Host-side state of one unit.
 
-    `master` holds every parameter the unit owns (fp32); `exp_avg`/`exp_avg_sq` cover the trainable prefix.
+    `master` holds every parameter the unit owns (fp32); `exp_avg`/`exp_avg_sq` cover the trainable prefix
+    (in RAM, or mapped from the disk tier: `moments.py` decides).
     After construction each owned `nn.Parameter` is a view into `master`, so the user's optimizer, the
     module's state_dict and the checkpoint all see the master weights without a copy.
     """
@@ -64,8 +65,7 @@ class UnitStorage:
         self.trainable_numel = self.segments[-1].end if self.segments else 0
         self.master = self._adopt(self.params)
         self.pinned = pin_(self.master)
-        self.exp_avg = torch.zeros(self.trainable_numel)
-        self.exp_avg_sq = torch.zeros(self.trainable_numel)
+        self.exp_avg = self.exp_avg_sq = torch.empty(0)
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.shadow: torch.Tensor | None = None
         self.grad_acc: torch.Tensor | None = None
@@ -92,6 +92,10 @@ class UnitStorage:
     def add_grad_accumulator(self) -> None:
         """fp32 gradient sums for accumulation windows and global-norm clipping (+4 B/param of RAM)."""
         self.grad_acc = torch.empty(self.trainable_numel)
+
+    def add_moments(self) -> None:
+        self.exp_avg = torch.zeros(self.trainable_numel)
+        self.exp_avg_sq = torch.zeros(self.trainable_numel)
 
     def add_amsgrad_state(self) -> None:
         self.max_exp_avg_sq = torch.zeros(self.trainable_numel)

@@ -8,8 +8,10 @@ engine moves weights to the GPU, one unit at a time, and runs the optimizer on t
 from __future__ import annotations
 
 import os
-from typing import Any, Generator, Mapping
+import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Generator, Mapping
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -26,8 +28,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
-from lightning_slide.planner import Plan, Resources, Setup, plan_for_run, resident_bytes
+from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
+from lightning_slide.tiers import backend_name
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -67,11 +70,13 @@ class SlideStrategy(SingleDeviceStrategy):
         **settings: Any,
     ) -> None:
         self.config = SlideConfig.from_kwargs(**settings)
-        if self.config.offload != "cpu":
-            raise NotImplementedError(
-                f"offload={self.config.offload!r} is not available yet: use offload='cpu' with this strategy, "
-                "or Lightning's default strategy ('auto') to keep everything on the GPU."
+        if self.config.offload == "none":
+            raise ValueError(
+                "SlideStrategy(offload='none') would keep everything on the GPU: that is Lightning's own "
+                "strategy='auto' (or offload=none in train.py). Use offload='cpu' or 'nvme' with slideformer."
             )
+        if self.config.offload == "nvme" and self.config.nvme_path is None:
+            self.config = replace(self.config, nvme_path=tempfile.gettempdir())
         super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision_plugin)
         self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
         self.engine: SlideEngine | None = None
@@ -81,6 +86,10 @@ class SlideStrategy(SingleDeviceStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Layer-sliding GPU window with fp32 masters and Adam on the CPU"
+        )
+        strategy_registry.register(
+            f"{cls.strategy_name}_nvme", cls, offload="nvme",
+            description="slideformer with the disk tier (sliding activations and Adam moments in files)",
         )
 
     @property
@@ -135,9 +144,17 @@ class SlideStrategy(SingleDeviceStrategy):
             or not module.automatic_optimization,
             amsgrad=optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups),
         )
-        _, self.plan = plan_for_run(module, optimizer, setup)
+        shape, self.plan = plan_for_run(module, optimizer, setup)
+        resources = Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module))
+        if self.config.offload == "nvme" and self.config.nvme_moments is None and optimizer is not None:
+            self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
+            setup = replace(setup, config=self.config)
+            self.plan = Plan.static(shape, setup)
         rank_zero_info(self.plan.describe())
-        self.plan.check(Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module)))
+        if self.config.offload == "nvme":
+            rank_zero_info(f"slideformer disk tier: {backend_name()}, files under {self.config.nvme_path}, "
+                           f"{self.config.nvme_moments:.0%} of the Adam moments on disk")
+        self.plan.check(resources)
 
     def _validate(self, trainer: Trainer, module: LightningModule) -> None:
         if self.parallel_devices and len(self.parallel_devices) > 1:

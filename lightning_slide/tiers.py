@@ -1,0 +1,299 @@
+"""The disk tier: preallocated files that a reader thread fills host buffers from ahead of need, and a
+writer thread writes back behind.
+
+I/O goes through kvikio when it is installed (GPUDirect Storage where the machine has it, its POSIX
+compatibility mode elsewhere) and through plain `os.preadv`/`os.pwritev` otherwise; `backend_name()` says
+which. Buffers are host memory: Adam runs on the CPU, and activations pass through pinned staging on their
+way to and from the GPU. Files live in a private directory under `nvme_path` that is removed on close, at
+interpreter exit and when the owner is garbage collected, so an exception never leaves them behind. A
+short read or write is an error naming the file, never silent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable
+
+import torch
+
+from lightning_slide.streams import host_wait
+from lightning_slide.threads import Failure, Worker
+
+ALIGN = 4096  # file regions start on page (and O_DIRECT block) boundaries
+IO_THREADS = 8
+
+
+class DiskTierError(OSError):
+    """The disk tier cannot be used as configured (unwritable or full path, short read or write)."""
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _kvikio():
+    """kvikio, if installed and usable: it asks the CUDA driver about every buffer, so it needs libcuda."""
+    try:
+        import kvikio
+        import kvikio.defaults
+
+        ctypes.CDLL("libcuda.so.1")
+    except (ImportError, OSError):
+        return None
+    return kvikio
+
+
+def backend_name() -> str:
+    """Which I/O path the disk tier uses here, for the plan and the logs."""
+    kvikio = _kvikio()
+    if kvikio is None:
+        return "POSIX pread/pwrite (kvikio not installed)"
+    mode = "POSIX compatibility mode" if kvikio.defaults.is_compat_mode_preferred() else "GPUDirect Storage"
+    return f"kvikio {kvikio.__version__} ({mode})"
+
+
+class _Posix:
+    """The fallback: positional reads and writes on a thread pool, one future per request."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="slideformer-posix-io")
+
+    def open(self, path: str) -> int:
+        return os.open(path, os.O_RDWR)
+
+    def read(self, handle: int, view: memoryview, offset: int) -> Callable[[], int]:
+        return self.pool.submit(_whole, os.preadv, handle, view, offset).result
+
+    def write(self, handle: int, view: memoryview, offset: int) -> Callable[[], int]:
+        return self.pool.submit(_whole, os.pwritev, handle, view, offset).result
+
+    def close(self, handle: int) -> None:
+        os.close(handle)
+
+
+def _whole(call: Callable, handle: int, view: memoryview, offset: int) -> int:
+    """Repeat a positional read/write until done or the file ends (a short count is the caller's error)."""
+    done = 0
+    while done < len(view):
+        n = call(handle, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class _Kvikio:
+    """kvikio's CuFile: its own thread pool splits each request into parallel tasks."""
+
+    def __init__(self, kvikio) -> None:
+        self.kvikio = kvikio
+        if "KVIKIO_NTHREADS" not in os.environ:
+            kvikio.defaults.set("num_threads", IO_THREADS)
+
+    def open(self, path: str):
+        return self.kvikio.CuFile(path, "r+")
+
+    def read(self, handle, view: memoryview, offset: int) -> Callable[[], int]:
+        return handle.pread(view, len(view), offset).get
+
+    def write(self, handle, view: memoryview, offset: int) -> Callable[[], int]:
+        return handle.pwrite(view, len(view), offset).get
+
+    def close(self, handle) -> None:
+        handle.close()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous host tensor (any dtype, bf16 included)."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+class TierDirectory:
+    """A private directory of preallocated files under the user's `nvme_path`, removed when done."""
+
+    def __init__(self, root: str) -> None:
+        try:
+            os.makedirs(root, exist_ok=True)
+            self.path = tempfile.mkdtemp(prefix="lightning-slide-", dir=root)
+        except OSError as error:
+            raise DiskTierError(f"nvme_path={root!r} is not a writable directory ({error.strerror}). Point "
+                                "nvme_path at a directory on a local disk you can write to.") from error
+        kvikio = _kvikio()
+        self.io = _Kvikio(kvikio) if kvikio is not None else _Posix()
+        self.backend = backend_name()
+        self.files: list[DiskFile] = []
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def create(self, name: str, nbytes: int) -> "DiskFile":
+        file = DiskFile(os.path.join(self.path, name), align(nbytes), self.io)
+        self.files.append(file)
+        return file
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files.clear()
+        self._cleanup()
+
+
+class DiskFile:
+    """One file, its full size reserved up front (a full disk fails here, not halfway through training)."""
+
+    def __init__(self, path: str, nbytes: int, io) -> None:
+        self.path, self.nbytes, self._io = path, nbytes, io
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+        except OSError as error:
+            os.close(fd)
+            os.remove(path)
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(os.path.dirname(path)).free
+                raise DiskTierError(f"The disk under {os.path.dirname(os.path.dirname(path))!r} is full: "
+                                    f"{path} needs {nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free. "
+                                    "Free space there, point nvme_path at a larger disk, or put less on disk "
+                                    "(a smaller nvme_moments).") from error
+            raise
+        os.close(fd)
+        self.handle = io.open(path)
+
+    def read(self, dst: torch.Tensor, offset: int) -> Callable[[], None]:
+        """Start reading len(dst) bytes at `offset` into host tensor `dst`; the returned call waits for them."""
+        return self._checked("read", self._io.read(self.handle, _bytes(dst), offset), dst, offset)
+
+    def write(self, src: torch.Tensor, offset: int) -> Callable[[], None]:
+        return self._checked("write", self._io.write(self.handle, _bytes(src), offset), src, offset)
+
+    def _checked(self, what: str, wait: Callable[[], int], buffer: torch.Tensor, offset: int) -> Callable[[], None]:
+        expected = buffer.numel() * buffer.element_size()
+
+        def result() -> None:  # holds `buffer` alive until the I/O has finished
+            done = wait()
+            if done != expected:
+                raise DiskTierError(f"Short {what} of {self.path}: {done} of {expected} bytes at offset {offset}.")
+
+        return result
+
+    def map(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The file's first `numel` elements as a tensor backed by a shared mapping (for checkpoint I/O)."""
+        return torch.from_file(self.path, shared=True, size=numel, dtype=dtype)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self._io.close(self.handle)
+            self.handle = None
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes [offset, offset + nbytes) of `file` <-> bytes [at, at + nbytes) of a buffer."""
+
+    file: DiskFile
+    offset: int
+    nbytes: int
+    at: int = 0
+
+
+class Spill:
+    """Host buffers that are read ahead in a planned order and written behind, for one kind of state.
+
+    The consumer plans the order in which it will `take` keys, takes each (waiting only if the disk is
+    behind), and hands the buffer back either with `write_back` (written, then freed) or `release` (freed
+    once `event` has passed). A key is never read while an earlier write of it is still in flight.
+    """
+
+    def __init__(self, name: str, buffers: int, buffer_bytes: int, pin: bool, failure: Failure) -> None:
+        self.name, self.failure = name, failure
+        self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
+        self._free = deque(range(buffers))
+        self._ready: dict[Hashable, int] = {}
+        self._expected: deque[Hashable] = deque()
+        self._writes: dict[Hashable, int] = {}  # key -> writes queued and not finished
+        self._lock = threading.Lock()
+        self.regions: dict[Hashable, tuple[Region, ...]] = {}
+        self.bytes_read = self.bytes_written = 0
+        self.reader: Worker[Hashable] = Worker(f"{name}-reader", self._read, failure)
+        self.writer: Worker[tuple[Hashable | None, int, object]] = Worker(f"{name}-writer", self._write, failure)
+
+    # ---------------------------------------------------------------------------------- consumer side
+    def plan(self, keys: Iterable[Hashable]) -> None:
+        """The order of the next `take`s: the reader fills buffers in this order, as they come free."""
+        for key in keys:
+            self._expected.append(key)
+            self.reader.put(key)
+
+    def take(self, key: Hashable) -> torch.Tensor:
+        """The buffer holding `key`'s bytes (its index is `buffer_index`), once read."""
+        if not self._expected or self._expected[0] != key:
+            nxt = self._expected[0] if self._expected else None
+            raise RuntimeError(f"slideformer {self.name}: {key!r} taken out of the planned order (next: {nxt!r}).")
+        self._expected.popleft()
+        self.failure.wait(lambda: key in self._ready, f"{self.name} read of {key!r} from disk")
+        with self._lock:
+            return self.buffers[self._ready.pop(key)]
+
+    def acquire(self) -> torch.Tensor:
+        """A free buffer to fill and `write_back` (waits while every buffer is busy: the disk is behind)."""
+        self.failure.wait(lambda: bool(self._free), f"a free {self.name} buffer (the disk is behind)")
+        with self._lock:
+            return self.buffers[self._free.popleft()]
+
+    def write_back(self, key: Hashable, buffer: torch.Tensor, event: object = None) -> None:
+        """Write `buffer` to `key`'s regions once `event` has passed, then free the buffer."""
+        with self._lock:
+            self._writes[key] = self._writes.get(key, 0) + 1
+        self.writer.put((key, self._index(buffer), event))
+
+    def release(self, buffer: torch.Tensor, event: object = None) -> None:
+        """Free `buffer` without writing, once `event` (e.g. its copy to the GPU) has passed."""
+        self.writer.put((None, self._index(buffer), event))
+
+    def drain(self) -> float:
+        """Wait for queued reads and writes (before reading the files another way)."""
+        return self.failure.wait(lambda: self.reader.idle() and self.writer.idle(), f"{self.name} disk I/O")
+
+    def close(self) -> None:
+        for worker in (self.reader, self.writer):
+            worker.stop()
+
+    # ---------------------------------------------------------------------------------- I/O threads
+    def _index(self, buffer: torch.Tensor) -> int:
+        return next(i for i, b in enumerate(self.buffers) if b.data_ptr() == buffer.data_ptr())
+
+    def _read(self, key: Hashable) -> None:
+        self.failure.wait(lambda: not self._writes.get(key), f"{self.name} write of {key!r} before re-reading it")
+        self.failure.wait(lambda: bool(self._free), f"a free {self.name} buffer")
+        with self._lock:
+            index = self._free.popleft()
+        buffer = self.buffers[index]
+        for wait in [r.file.read(buffer[r.at : r.at + r.nbytes], r.offset) for r in self.regions[key]]:
+            wait()
+        self.bytes_read += sum(r.nbytes for r in self.regions[key])
+        with self._lock:
+            self._ready[key] = index
+
+    def _write(self, item: tuple[Hashable | None, int, object]) -> None:
+        key, index, event = item
+        host_wait(event)
+        if key is not None:
+            buffer = self.buffers[index]
+            for wait in [r.file.write(buffer[r.at : r.at + r.nbytes], r.offset) for r in self.regions[key]]:
+                wait()
+            self.bytes_written += sum(r.nbytes for r in self.regions[key])
+        with self._lock:
+            self._free.append(index)
+            if key is not None:
+                self._writes[key] -= 1
