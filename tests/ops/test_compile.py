@@ -28,12 +28,13 @@ def _kernels(dtype: str):
     import ops.rotary as rotary
 
     p = P.format(dtype)
-    rope = [p, p, p, p] + [I] * 12
+    rope = [p] * 6 + [I] * 16
     ce = [p, I, "*i64", "*fp32", "*fp32", I, I, F, F]
     return {
         "rms_norm_fwd": (norm._fwd, [p, p, p, "*fp32", I, I, I, I, F], {"BLOCK_M": 1, "BLOCK_N": 4096}),
         "rms_norm_bwd": (norm._bwd, [p, p, p, "*fp32", p, "*fp32"] + [I] * 6, {"BLOCK_M": 32, "BLOCK_N": 128}),
-        "rope_bwd": (rotary._rope, rope, {"BACKWARD": True, "BLOCK_R": 64, "BLOCK_D": 64}),
+        "rope_bwd": (rotary._rope, rope, {"HQ": 32, "HK": 8, "HALF": 64, "BACKWARD": True, "BLOCK_T": 1,
+                                          "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_D": 64}),
         "swiglu_fwd": (glu._fwd, [p, p, p, I], {"BLOCK": glu.BLOCK}),
         "swiglu_bwd": (glu._bwd, [p, p, p, p, p, I], {"BLOCK": glu.BLOCK}),
         "ce_rows_softcap": (lce._ce_rows, ce, {"HAS_SOFTCAP": True, "WRITE_GRAD": True, "BLOCK": lce.CE_BLOCK}),
