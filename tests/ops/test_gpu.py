@@ -86,9 +86,24 @@ def test_linear_cross_entropy_matches_reference_at_vocab_128256(tokens):
     assert _rel(x.grad, xr.grad) < BF16_REL and _rel(w.grad, wr.grad) < BF16_REL
 
 
-def test_linear_cross_entropy_needs_at_most_64_mib_beyond_inputs_and_gradients_at_16k_tokens():
-    x, w, y = _lce_problem(16384)
-    ops.linear_cross_entropy(x, w, y).backward()  # warm-up: compile, cuBLAS workspace
+def test_linear_cross_entropy_overlapped_and_serial_chunks_agree():
+    """grad_x on a second stream beside the grad_W update: the numbers of one stream (a race on
+    the logits buffer, such as the next chunk overwriting it before grad_x has read it, would not be)."""
+    x, w, y = _lce_problem(8192)
+    results = []
+    for overlap in (True, False):
+        x.grad = w.grad = None
+        loss = ops.linear_cross_entropy(x, w, y, overlap=overlap)
+        loss.backward()
+        results.append((loss.detach(), x.grad, w.grad))
+    for got, want in zip(*results):
+        assert _rel(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("vocab", [V, 151936])
+def test_linear_cross_entropy_needs_at_most_64_mib_beyond_inputs_and_gradients_at_16k_tokens(vocab):
+    x, w, y = _lce_problem(16384, vocab)
+    ops.linear_cross_entropy(x, w, y).backward()  # warm-up: compile, cuBLAS workspaces
     x.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
