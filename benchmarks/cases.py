@@ -1,13 +1,14 @@
 """The benchmark cases, their suites, and the order they run in (plain Python, no torch).
 
 A suite lists case names in priority order: the runner runs them in that order and skips what no
-longer fits its time budget, so the cases the targets need come first.
+longer fits its time budget, so the cases a suite exists for come first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from benchmarks import estimate
 from benchmarks.models import MODELS
 
 #: short key -> the `system` label of the result (for DeepSpeed: Lightning's strategy name).
@@ -20,6 +21,8 @@ SYSTEMS = {
     "slide": "lightning-slide",
 }
 OFFLOAD_SYSTEMS = ("ds2", "ds3", "slide")
+NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder (the GPU machine has one virtio disk, no NVMe)
+Settings = tuple[tuple[str, object], ...]
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,11 @@ class Case:
 
     est_s is the expected wall time of the whole case process on the GPU machine (start-up, model
     build, setup, steps): the runner skips a case when less than that is left of its budget.
-    chain names a ladder of growing sizes: once one size fails, the larger ones are not tried.
-    known_failure says why the case is not run unless asked (it was seen failing before).
+    profile_steps run after the timed window under the CUDA profiler (benchmarks.gpu_idle): one that
+    leads in, the others measure the compute stream's idle time. known_failure says why the case is not
+    run unless asked (it was seen failing before).
+    A ladder (rungs given) trains steps_per_rung steps at each size of `grow` in one process and stops
+    at the first failure or when its next rung would pass time_cap_s (benchmarks.ladder).
     """
 
     name: str
@@ -38,97 +44,192 @@ class Case:
     micro_batch: int = 1
     seq_len: int = 1024
     cap_gib: float | None = 24.0
-    tier: str = "none"
     device: str = "cuda"
     warmup: int = 3
     steps: int = 10
+    profile_steps: int = 3
     est_s: float = 60.0
-    chain: str | None = None
     known_failure: str | None = None
     adam_params: int = 500_000_000
-    slide_settings: tuple[tuple[str, object], ...] = ()  # extra SlideStrategy settings, e.g. (("h2d_source", "shadow"),)
+    slide_settings: Settings = ()  # SlideStrategy keyword arguments, e.g. (("h2d_source", "shadow"),)
+    rungs: tuple[int, ...] = ()
+    grow: str = "micro_batch"
+    steps_per_rung: int = 2
+    time_cap_s: float = 0.0
 
     @property
     def tokens_per_step(self) -> int:
         return self.micro_batch * self.seq_len
 
+    @property
+    def settings(self) -> dict[str, object]:
+        return dict(self.slide_settings)
+
+    @property
+    def tier(self) -> str:
+        """Where lightning-slide keeps the training state ("cpu" unless its settings say); "none" for others."""
+        return str(self.settings.get("offload", "cpu")) if self.system == "slide" else "none"
+
+    @property
+    def is_ladder(self) -> bool:
+        return bool(self.rungs)
+
+    def rung_shape(self, size: int) -> tuple[int, int]:
+        """(micro_batch, seq_len) of one rung of a ladder."""
+        return (size, self.seq_len) if self.grow == "micro_batch" else (self.micro_batch, size)
+
+
+#: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
+_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}"}
+
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
-              tier: str = "none") -> str:
+              settings: Settings = ()) -> str:
     """Names like `llama3_8b-mb64-cap24-slide-cpu` (seq appears only when it is not 1024)."""
     seq = "" if seq_len == 1024 else f"-seq{seq_len}"
-    cap = "capnone" if cap_gib is None else f"cap{cap_gib:g}"
-    suffix = f"-{tier}" if system == "slide" else ""
-    return f"{model}-mb{micro_batch}{seq}-{cap}-{system}{suffix}"
+    return f"{model}-mb{micro_batch}{seq}-{_cap(cap_gib)}-{_system_tag(system, settings)}"
+
+
+def _cap(cap_gib: float | None) -> str:
+    return "capnone" if cap_gib is None else f"cap{cap_gib:g}"
+
+
+def _system_tag(system: str, settings: Settings) -> str:
+    if system != "slide":
+        return system
+    values = dict(settings)
+    tags = [_NAME_TAGS[key].format(value) for key, value in settings if key in _NAME_TAGS]
+    return "-".join([system, str(values.get("offload", "cpu")), *tags])
 
 
 def make(system: str, model: str, micro_batch: int = 1, seq_len: int = 1024, cap_gib: float | None = 24.0,
-         tier: str | None = None, name: str | None = None, **kw: object) -> Case:
-    """A case with its canonical name (unless named); slide defaults to the cpu tier, others to none."""
-    tier = tier or ("cpu" if system == "slide" else "none")
-    name = name or case_name(system, model, micro_batch, seq_len, cap_gib, tier)
-    return Case(name, system, model, micro_batch, seq_len, cap_gib, tier, **kw)  # type: ignore[arg-type]
+         name: str | None = None, est_s: float | None = None, warmup: int | None = None,
+         slide_settings: Settings = (), **kw: object) -> Case:
+    """A case with its canonical name, its estimated wall time and warm-up (unless given): 2 warm-up
+    steps when a step takes several seconds, else 3."""
+    settings = dict(slide_settings)
+    step = estimate.step_s(system, model, micro_batch, seq_len, settings)
+    warmup = warmup if warmup is not None else (2 if step >= 3.5 else 3)
+    case = Case(name or case_name(system, model, micro_batch, seq_len, cap_gib, slide_settings), system, model,
+                micro_batch, seq_len, cap_gib, warmup=warmup, slide_settings=slide_settings, **kw)  # type: ignore[arg-type]
+    steps = case.warmup + case.steps + case.profile_steps
+    est = est_s if est_s is not None else estimate.case_s(system, model, micro_batch, seq_len, steps, settings)
+    return replace(case, est_s=round(est))
+
+
+def ladder(system: str, model: str, grow: str, rungs: tuple[int, ...], time_cap_s: float,
+           cap_gib: float | None = 24.0, seq_len: int = 1024, slide_settings: Settings = (), **kw: object) -> Case:
+    """A ladder case (`llama3_8b-cap24-slide-cpu-max-mb`), estimated as setup plus every rung, capped.
+    The mb ladder runs at seq_len, the seq ladder at micro-batch 1."""
+    dimension = "mb" if grow == "micro_batch" else "seq"
+    name = f"{model}-{_cap(cap_gib)}-{_system_tag(system, slide_settings)}-max-{dimension}"
+    mb, seq = (rungs[0], seq_len) if grow == "micro_batch" else (1, rungs[0])
+    case = Case(name, system, model, mb, seq, cap_gib, rungs=rungs, grow=grow, time_cap_s=time_cap_s,
+                profile_steps=0, slide_settings=slide_settings, **kw)  # type: ignore[arg-type]
+    full = estimate.setup_s(system, model) + sum(ladder_rung_s(case, size) for size in rungs)
+    return replace(case, est_s=round(min(full, time_cap_s)))
+
+
+def ladder_rung_s(case: Case, size: int, measured_step_s: float | None = None, at: int | None = None) -> float:
+    """Predicted seconds of one rung: its estimated steps (scaled by how a measured step at size `at`
+    compared with its own estimate, when there is one) plus pinning host buffers for the new shape."""
+    def step(of: int) -> float:
+        return estimate.step_s(case.system, case.model, *case.rung_shape(of), case.settings)
+
+    scale = measured_step_s / step(at) if measured_step_s and at is not None and step(at) > 0 else 1.0
+    return case.steps_per_rung * step(size) * scale + estimate.pin_s(case.system, case.model, *case.rung_shape(size))
 
 
 _DS3_8B_HOST_OOM = ("ANCHORS 2026-11-29: host memory climbed to 122 GiB during setup and the process "
                     "was killed before the first step")
 _DS3_3B_MB32_OOM = "ANCHORS 2026-11-29: CUDA out of memory allocating 15.66 GiB (the full logits tensor)"
+SLOTS_AUTO: Settings = (("slots", "auto"),)
+
+
+def nvme(moments: float) -> Settings:
+    """The disk tier with `moments` of the Adam moments on disk (0..1)."""
+    return (("offload", "nvme"), ("nvme_path", NVME_PATH), ("nvme_moments", moments))
 
 
 def _targets() -> list[Case]:
-    """The cases the four targets need, in priority order: about 8.5 minutes on the GPU machine
-    without ZeRO-2, which comes last and runs only if the budget still has room for it."""
+    """The cases the four targets need, in priority order (ZeRO-2 last: it runs if the budget has room)."""
     return [
-        make("probe", "llama3_8b", cap_gib=None, name="probe", est_s=20),
-        make("slide", "llama3_3b", 8, est_s=50),
-        make("ds3", "llama3_3b", 8, warmup=2, est_s=150),
-        make("ceiling", "llama3_8b", 8, cap_gib=None, est_s=25),
-        make("slide", "llama3_8b", 64, warmup=2, est_s=130),
-        make("slide", "llama3_8b", 8, est_s=70),
-        make("ceiling", "llama3_3b", 8, cap_gib=None, est_s=20),
-        make("slide", "llama3_1b", 32, est_s=40),
-        make("ceiling", "llama3_1b", 32, cap_gib=None, est_s=15),
-        make("plain", "llama3_1b", 32, cap_gib=None, est_s=25),
-        make("ds2", "llama3_3b", 8, warmup=2, est_s=80),
+        make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
+        make("slide", "llama3_3b", 8),
+        make("ds3", "llama3_3b", 8),
+        make("ceiling", "llama3_8b", 8, cap_gib=None),
+        make("slide", "llama3_8b", 64),
+        make("slide", "llama3_8b", 8),
+        make("ceiling", "llama3_3b", 8, cap_gib=None),
+        make("slide", "llama3_1b", 32),
+        make("ceiling", "llama3_1b", 32, cap_gib=None),
+        make("plain", "llama3_1b", 32, cap_gib=None),
+        make("ds2", "llama3_3b", 8),
     ]
+
+
+def _grid() -> list[Case]:
+    """lightning-slide at micro-batch 1/8/32/64 for 1B, 3B and 8B (seq 1024), cheapest first."""
+    cases = [make("slide", model, mb) for model in ("llama3_1b", "llama3_3b", "llama3_8b") for mb in (1, 8, 32, 64)]
+    return sorted(cases, key=lambda case: case.est_s)
 
 
 def _more() -> list[Case]:
-    """The other fixed cases: remaining baselines and micro-batches, the long sequence, capped plain."""
-    cases = [
-        make("plain", "llama3_3b", 8, cap_gib=None, est_s=25),
-        make("slide", "llama3_1b", 32, est_s=40),
-        make("slide", "llama3_8b", 1, seq_len=16384, est_s=90),
-        make("slide", "llama3_8b", 8, tier="nvme", est_s=120),
-        make("ceiling", "llama3_1b", 32, cap_gib=None, est_s=20),
-        make("plain", "llama3_1b", 16, est_s=20),
-        make("plain", "llama3_3b", 8, est_s=20),
-        make("ds3", "llama3_8b", 8, warmup=2, est_s=180, known_failure=_DS3_8B_HOST_OOM),
-        make("ds3", "llama3_3b", 32, warmup=2, est_s=120, known_failure=_DS3_3B_MB32_OOM),
+    """The other fixed cases: the grid, remaining baselines, the long sequence, the settings, known failures."""
+    return _grid() + [
+        make("slide", "llama3_8b", 1, seq_len=16384),
+        make("slide", "llama3_8b", 8, slide_settings=SLOTS_AUTO),
+        make("slide", "llama3_8b", 64, slide_settings=SLOTS_AUTO),
+        make("slide", "llama3_8b", 8, slide_settings=nvme(0.0)),
+        make("slide", "llama3_8b", 8, slide_settings=nvme(0.25)),
+        make("plain", "llama3_1b", 16),
+        make("plain", "llama3_3b", 8),
+        *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
+        make("ds3", "llama3_8b", 8, known_failure=_DS3_8B_HOST_OOM),
+        make("ds3", "llama3_3b", 32, known_failure=_DS3_3B_MB32_OOM),
     ]
-    for model, slow in (("llama3_1b", 1.0), ("llama3_3b", 1.5), ("llama3_8b", 3.0)):
-        for mb in (1, 8, 32, 64):
-            cases.append(make("slide", model, mb, est_s=30 * slow + mb * slow / 2))
-        cases.append(make("plain", model, 8, cap_gib=None, est_s=20 * slow))
-    return cases
 
 
 def _ladders() -> list[Case]:
-    """Largest micro-batch (seq 1024) and longest single sequence under the 24 GiB cap, 3B and 8B.
+    """The most informative ladders (~6 min): how far lightning-slide goes at 3B and 8B."""
+    return [
+        ladder("slide", "llama3_3b", "micro_batch", (128, 256), time_cap_s=120),
+        ladder("slide", "llama3_8b", "micro_batch", (64, 96, 128), time_cap_s=130),
+        ladder("slide", "llama3_8b", "seq_len", (32768, 65536, 131072), time_cap_s=130, steps_per_rung=1),
+    ]
 
-    One case per size, each in its own process; a ladder stops at its first failure.
-    """
-    cases = []
-    for model, slow in (("llama3_3b", 1.0), ("llama3_8b", 2.5)):
-        for system, mbs in (("slide", (64, 128, 256)), ("ds3", (16, 32)), ("ds2", (16, 32, 64))):
-            chain = f"{model}-{system}-max-mb"
-            cases += [make(system, model, mb, warmup=1, steps=2, chain=chain, est_s=60 * slow + mb / 2)
-                      for mb in mbs]
-        for system, seqs in (("slide", (16384, 32768, 65536)), ("ds3", (8192, 16384)), ("ds2", (8192, 16384))):
-            chain = f"{model}-{system}-max-seq"
-            cases += [make(system, model, 1, seq_len=seq, warmup=1, steps=2, chain=chain,
-                           est_s=60 * slow + seq / 1024) for seq in seqs]
-    return cases
+
+def _ladders_rest() -> list[Case]:
+    """Every other system and dimension: DeepSpeed ZeRO-3 and ZeRO-2, capped plain, 3B sequences."""
+    seqs = (8192, 16384, 32768)
+    return [
+        ladder("ds3", "llama3_3b", "micro_batch", (8, 16, 24, 32), time_cap_s=200),
+        ladder("ds2", "llama3_3b", "micro_batch", (8, 12, 16), time_cap_s=170),
+        ladder("slide", "llama3_3b", "seq_len", (32768, 65536, 131072), time_cap_s=150, steps_per_rung=1),
+        ladder("ds3", "llama3_3b", "seq_len", seqs, time_cap_s=200, steps_per_rung=1),
+        ladder("ds2", "llama3_3b", "seq_len", seqs, time_cap_s=170, steps_per_rung=1),
+        ladder("ds2", "llama3_8b", "micro_batch", (1, 2, 4, 8), time_cap_s=220),
+        ladder("ds2", "llama3_8b", "seq_len", seqs, time_cap_s=220, steps_per_rung=1),
+        *(ladder("plain", model, grow, rungs, time_cap_s=60)
+          for model in ("llama3_3b", "llama3_8b")
+          for grow, rungs in (("micro_batch", (1, 2, 4, 8)), ("seq_len", seqs))),
+        *(ladder("ds3", "llama3_8b", grow, rungs, time_cap_s=200, steps_per_rung=1, known_failure=_DS3_8B_HOST_OOM)
+          for grow, rungs in (("micro_batch", (1, 4, 8)), ("seq_len", seqs))),
+    ]
+
+
+def _session2() -> list[Case]:
+    """One ~9-minute GPU call in the lead's priority order, after the two yardsticks every bound needs
+    (probe: PCIe and CPU-Adam rates; 8B ceiling: the GPU bound of the 8B cases)."""
+    first = [CASES[name] for name in (
+        "probe", "llama3_8b-mb8-capnone-ceiling",
+        "llama3_8b-mb8-cap24-slide-cpu-slots-auto", "llama3_8b-mb64-cap24-slide-cpu-slots-auto",
+        "llama3_3b-mb8-cap24-ds2", "llama3_8b-mb1-seq16384-cap24-slide-cpu",
+        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25",
+        "llama3_3b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq")]
+    measured = {"llama3_1b-mb32-cap24-slide-cpu", "llama3_3b-mb8-cap24-slide-cpu",
+                "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu"}
+    return first + [case for case in _grid() if case.name not in measured]
 
 
 def _smoke() -> list[Case]:
@@ -139,6 +240,7 @@ def _smoke() -> list[Case]:
         make("ceiling", "tiny", 4, seq_len=64, **cpu),
         make("plain", "tiny", 4, seq_len=64, **cpu),
         make("slide", "tiny", 4, seq_len=64, **cpu),
+        ladder("slide", "tiny", "micro_batch", (2, 4, 8), time_cap_s=60, seq_len=64, cap_gib=None, device="cpu"),
     ]
 
 
@@ -154,13 +256,15 @@ SUITES: dict[str, list[Case]] = {
     "targets": _targets(),
     "more": _unique([c for c in _more() if c.name not in {t.name for t in _targets()}]),
     "ladders": _ladders(),
+    "ladders-rest": _ladders_rest(),
     "smoke": _smoke(),
     # what a load reads from host memory: the pinned fp32 master (default) or a pinned bf16 shadow copy
-    "h2d": [make("slide", "llama3_8b", 8, name="llama3_8b-mb8-cap24-slide-cpu-shadow", est_s=90,
-                 slide_settings=(("h2d_source", "shadow"),))],
+    "h2d": [make("slide", "llama3_8b", 8, slide_settings=(("h2d_source", "shadow"),))],
 }
-SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["ladders"])
 CASES: dict[str, Case] = {c.name: c for suite in SUITES.values() for c in suite}
+SUITES["session2"] = _session2()
+SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
+                         + SUITES["ladders-rest"])
 
 
 def resolve(selection: list[str]) -> list[Case]:

@@ -17,12 +17,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.build import build_model, random_tokens
-from benchmarks.cases import SYSTEMS, Case
+from benchmarks.cases import NVME_PATH, SYSTEMS, Case
 from benchmarks.models import MODELS
+from benchmarks.rungs import Rungs
 from benchmarks.timing import WindowClock
 
 LR = 1e-5
-NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder (the GPU machine has one virtio disk, no NVMe)
 
 
 class CausalLMModule(pl.LightningModule):
@@ -100,18 +100,17 @@ def _strategy(case: Case) -> tuple[object, dict]:
         return SYSTEMS[case.system], {}
     from lightning_slide import SlideStrategy
 
-    settings = {"offload": case.tier, **({"nvme_path": NVME_PATH} if case.tier == "nvme" else {}),
-                **dict(case.slide_settings)}
-    strategy = SlideStrategy(**settings)
+    strategy = SlideStrategy(**case.settings)
     config = getattr(strategy, "config", None)
     return strategy, (dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {})
 
 
-def run_lightning(case: Case, device: torch.device) -> dict:
-    """Fit warm-up + timed steps with the case's strategy; the clock callback does the timing."""
+def _fit(case: Case, device: torch.device, data: DataLoader, max_steps: int, seq_len: int,
+         callback: pl.Callback) -> dict:
+    """Build the model (fp32 on the CPU) and the case's strategy, and fit; returns the strategy's config."""
     deepspeed = case.system in ("ds2", "ds3")
     strategy, config = _strategy(case)
-    model = build_model(MODELS[case.model], case.seq_len, torch.device("cpu"), torch.float32)
+    model = build_model(MODELS[case.model], seq_len, torch.device("cpu"), torch.float32)
     if deepspeed:
         model.gradient_checkpointing_enable()
     module = CausalLMModule(model, deepspeed_adam=deepspeed)
@@ -119,18 +118,53 @@ def run_lightning(case: Case, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the GPU-drawn init noise must not count as the strategy's memory
         torch.cuda.reset_peak_memory_stats(device)
-    rows = (case.warmup + case.steps) * case.micro_batch
-    data = DataLoader(TensorDataset(random_tokens(MODELS[case.model], rows, case.seq_len)),
-                      batch_size=case.micro_batch)
-    clock = WindowClock(case.warmup, case.steps, device)
-    callback = ClockCallback(clock)
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         precision="bf16-mixed", max_steps=case.warmup + case.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         precision="bf16-mixed", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          callbacks=[callback])
     trainer.fit(module, data)
+    return config
+
+
+def run_lightning(case: Case, device: torch.device) -> dict:
+    """Fit warm-up, timed and profiled steps with the case's strategy; the clock callback does the timing."""
+    clock = WindowClock(case.warmup, case.steps, device, case.profile_steps)
+    callback = ClockCallback(clock)
+    rows = clock.total_steps * case.micro_batch
+    data = DataLoader(TensorDataset(random_tokens(MODELS[case.model], rows, case.seq_len)),
+                      batch_size=case.micro_batch)
+    config = _fit(case, device, data, clock.total_steps, case.seq_len, callback)
     return {**clock.summary(case.tokens_per_step), "loss_last": callback.loss_last,
             "first_step_at": clock.first_step_at, "engine_stats": callback.stats, "slide_config": config,
             "disk_bytes": callback.disk_bytes,
             "kernels": "slide config use_kernels" if config.get("use_kernels") else "hf-llama-sdpa",
-            "gradient_checkpointing": deepspeed}
+            "gradient_checkpointing": case.system in ("ds2", "ds3")}
+
+
+class RungCallback(pl.Callback):
+    """Feeds a ladder's step boundaries to its Rungs; stops the fit when the ladder ends."""
+
+    def __init__(self, rungs: Rungs) -> None:
+        self.rungs = rungs
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.rungs.step_started(batch_idx)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self.rungs.step_ended(batch_idx):
+            trainer.should_stop = True
+
+
+def _as_batch(items: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each dataset item is already a whole batch (sizes grow along the ladder)."""
+    return items
+
+
+def climb_lightning(case: Case, device: torch.device, rungs: Rungs) -> None:
+    """One fit whose batches grow rung by rung: the strategy is set up once for the whole ladder."""
+    batches = rungs.batches()
+    data = DataLoader(batches, batch_size=1, collate_fn=_as_batch)
+    seq_len = max(case.rung_shape(size)[1] for size in rungs.sizes)
+    _fit(case, device, data, len(batches), seq_len, RungCallback(rungs))

@@ -92,22 +92,26 @@ def _with_kernels(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     return model
 
 
-def run_ceiling(case: Case, device: torch.device) -> dict:
-    """bf16 weights, forward + backward only: the most the GPU can do per token for this model."""
-    model = _with_kernels(build_model(MODELS[case.model], case.seq_len, device, torch.bfloat16), device)
+def make_step(case: Case, device: torch.device, seq_len: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Build the case's model on the device and return its training step (for timed runs and ladders)."""
+    dtype = torch.bfloat16 if case.system == "ceiling" else torch.float32
+    model = _with_kernels(build_model(MODELS[case.model], seq_len, device, dtype), device)
+    return _ceiling_step(model) if case.system == "ceiling" else _plain_step(model, device)
 
+
+def _ceiling_step(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """bf16 weights, forward + backward only: the most the GPU can do per token for this model."""
     def step(ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss
 
-    return _timed_loop(case, device, step)
+    return step
 
 
-def run_plain(case: Case, device: torch.device) -> dict:
+def _plain_step(model: torch.nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """Plain training on one device: fp32 master weights, bf16 autocast, fused AdamW beside them."""
-    model = _with_kernels(build_model(MODELS[case.model], case.seq_len, device, torch.float32), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
@@ -118,14 +122,15 @@ def run_plain(case: Case, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return _timed_loop(case, device, step)
+    return step
 
 
-def _timed_loop(case: Case, device: torch.device, step: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """Run warm-up + timed steps over fixed random tokens (already on the device)."""
-    rows = (case.warmup + case.steps) * case.micro_batch
-    data = random_tokens(MODELS[case.model], rows, case.seq_len).to(device)
-    clock = WindowClock(case.warmup, case.steps, device)
+def run_timed(case: Case, device: torch.device) -> dict:
+    """The fwd+bwd ceiling or plain training: warm-up, timed and profiled steps over fixed random tokens
+    (already on the device)."""
+    step = make_step(case, device, case.seq_len)
+    clock = WindowClock(case.warmup, case.steps, device, case.profile_steps)
+    data = random_tokens(MODELS[case.model], clock.total_steps * case.micro_batch, case.seq_len).to(device)
     loss = torch.zeros(())
     for batch in data.split(case.micro_batch):
         loss = step(batch)

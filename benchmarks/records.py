@@ -31,11 +31,10 @@ HINTS = {
     "pcie": "fewer bytes per param: bf16 shadow weights (2 B not 4), bf16 grads, keep more units resident",
     "cpu_update": "fewer host DRAM bytes per param in the update, or overlap it with the next step's forward",
 }
-#: engine stats keys (per-step seconds) that make up the exposed time; missing keys are left out.
-EXPOSED_KEYS = {
-    "transfer": ("exposed_transfer_s", "wait_grads_s"),
-    "update": ("exposed_update_s", "wait_update_s", "wait_drain_s"),
-}
+EXPOSED_MEANING = (
+    "compute-stream idle per step, from a CUDA profile of steps after the timed window: the profiled step "
+    "minus the union of the kernels on the stream the model computes on (benchmarks/gpu_idle.py); "
+    "idle_copying: while copies or side-stream kernels ran, idle_empty: while the GPU did nothing")
 
 
 def base_record(case: Case) -> dict:
@@ -47,25 +46,30 @@ def base_record(case: Case) -> dict:
         "model_config": {**dataclasses.asdict(spec), "attention": "sdpa", "init": "N(0, 0.02), norms 1"},
         "params": spec.params, "params_no_embedding": spec.params_no_embedding,
         "micro_batch": case.micro_batch, "seq_len": case.seq_len, "tokens_per_step": case.tokens_per_step,
-        "accumulate": 1, "vram_cap_gib": case.cap_gib, "tier": case.tier, "device": case.device,
-        "timed_steps": case.steps, "warmup_steps": case.warmup, "chain": case.chain,
+        "accumulate": 1, "vram_cap_gib": case.cap_gib, "tier": case.tier, "slide_settings": case.settings,
+        "device": case.device, "timed_steps": case.steps, "warmup_steps": case.warmup,
+        "profile_steps": case.profile_steps,
         "flop_formula": FLOP_FORMULAS["6nt"], "flop_formula_full": FLOP_FORMULAS["full"],
         "data": "uniform random token ids, fixed seed, every token real (no padding)",
     }
 
 
 def finalize(records: list[dict]) -> None:
-    """Fill in TFLOP/s, bounds, binding bound, exposed time and same-run baseline, in place."""
+    """Fill in TFLOP/s, bounds, binding bound, exposed time and same-run baseline of every timed case, in
+    place. The binding bound needs all three bounds: with one missing (no probe or no ceiling of that
+    model in the run) it is None rather than the larger of the other two."""
     probe = next((r for r in records if r["system_key"] == "probe" and r["ok"]), None)
     for record in records:
-        if not record["ok"] or record["system_key"] == "probe":
+        if not record["ok"] or record["system_key"] == "probe" or record.get("ladder"):
             continue
         _add_tflops(record)
-        record["exposed_s"] = _exposed(record.get("engine_stats") or {})
+        record["exposed_s"] = exposed(record.get("gpu_idle"))
+        if record.get("engine_stats"):
+            record["engine_per_step"] = engine_per_step(record["engine_stats"])
         record["bounds_s"] = _bounds(record, probe, _ceiling(records, record["model_key"]))
         record["bounds_formula"] = {**BOUNDS_FORMULA, "traffic": TRAFFIC.get(record["system_key"], "none")}
-        known = {k: v for k, v in record["bounds_s"].items() if v is not None}
-        record["binding"] = max(known, key=known.get) if known else None
+        bounds = record["bounds_s"]
+        record["binding"] = None if None in bounds.values() else max(bounds, key=bounds.get)
         record["baseline_of_same_run"] = _baseline(records, record)
 
 
@@ -113,7 +117,7 @@ def _pcie_s(record: dict, pcie: dict | None) -> float | None:
 def traffic_bytes(record: dict) -> tuple[float, float]:
     """Bytes per step host->device and device->host: as the engine counted them if it did, else by
     the system's traffic model (TRAFFIC)."""
-    engine = (record.get("exposed_s") or {}).get("engine") or {}
+    engine = engine_per_step(record.get("engine_stats") or {})
     if "h2d_bytes" in engine and "d2h_bytes" in engine:
         return float(engine["h2d_bytes"]), float(engine["d2h_bytes"])
     n = record["params"]
@@ -148,20 +152,27 @@ def _engine_value(record: dict, key: str, default: object) -> object:
     return ((record.get("engine_stats") or {}).get("end") or {}).get(key, default)
 
 
-def _exposed(stats: dict) -> dict:
-    """Exposed (non-overlapped) transfer and update seconds per step, from the engine's host-side waits.
+def exposed(gpu_idle: dict | None) -> dict | None:
+    """Mean seconds per profiled step of compute-stream idle time (EXPOSED_MEANING), and its share of the
+    profiled step; None when nothing was profiled (CPU runs), the profile's error when it failed."""
+    if not gpu_idle:
+        return None
+    if gpu_idle.get("error") or not gpu_idle.get("steps"):
+        return {"total": None, "error": gpu_idle.get("error") or "no profiled step"}
 
-    transfer: waits for a free gradient slot (the device->host pump is behind); update: waits for a
-    unit's Adam update before loading it, plus the end-of-step drain (copies and updates together).
-    """
-    per_step = engine_per_step(stats)
+    def mean(key: str) -> float:
+        return sum(gpu_idle[key]) / len(gpu_idle[key])
 
-    def total(keys: tuple[str, ...]) -> float | None:
-        present = [per_step[k] for k in keys if k in per_step]
-        return sum(present) if present else None
+    return {"total": mean("idle_s"), "share": sum(gpu_idle["idle_s"]) / sum(gpu_idle["step_s"]),
+            "idle_copying": mean("idle_copying_s"), "idle_empty": mean("idle_empty_s"),
+            "compute_busy": mean("busy_s"), "profiled_step": mean("step_s"), "steps": gpu_idle["steps"],
+            "meaning": EXPOSED_MEANING}
 
-    return {"transfer": total(EXPOSED_KEYS["transfer"]), "update": total(EXPOSED_KEYS["update"]),
-            "engine": per_step}
+
+def tier_label(record: dict) -> str:
+    """The tier and any non-default setting that shapes it: `nvme, nvme_moments=0.25`, `cpu, slots=auto`."""
+    extra = [f"{k}={v}" for k, v in (record.get("slide_settings") or {}).items() if k not in ("offload", "nvme_path")]
+    return ", ".join([str(record.get("tier")), *extra])
 
 
 def _baseline(records: list[dict], record: dict) -> dict | None:

@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.records import HINTS, finalize
+from benchmarks.records import EXPOSED_MEANING, HINTS, finalize, tier_label
 
 PLOTS = ("throughput.png", "bounds.png")
 MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
@@ -44,17 +44,16 @@ def _over_cpu_bound(name: str) -> Callable[[dict[str, dict]], tuple[float, str] 
 
 
 def _worst_exposed(ok: dict[str, dict]) -> tuple[float, str] | None:
-    """The largest exposed (transfer + update) share of the step among slide cases at >= 32k tokens."""
-    shares = []
-    for record in ok.values():
-        exposed = record.get("exposed_s") or {}
-        if record["system_key"] == "slide" and record["tokens_per_step"] >= 32768 \
-                and exposed.get("transfer") is not None and exposed.get("update") is not None:
-            shares.append(((exposed["transfer"] + exposed["update"]) / record["step_s_mean"], record))
+    """The largest compute-stream idle share of the profiled step among slide cases at >= 32k tokens."""
+    shares = [(record["exposed_s"]["share"], record) for record in ok.values()
+              if record["system_key"] == "slide" and record["tokens_per_step"] >= 32768
+              and (record.get("exposed_s") or {}).get("share") is not None]
     if not shares:
         return None
     share, record = max(shares, key=lambda item: item[0])
-    return share, f"{record.get('binding')} ({record['case']})"
+    idle = record["exposed_s"]
+    return share, (f"{record.get('binding') or '-'} ({record['case']}; idle {idle['idle_copying']:.3f} s "
+                   f"while copying, {idle['idle_empty']:.3f} s with the GPU empty)")
 
 
 #: (what, measure, goal, True when higher is better)
@@ -65,7 +64,8 @@ TARGETS = [
      _ratio("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3"), 4.0, True),
     ("8B at 8k tok/step: step time / CPU-Adam bound",
      _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu"), 1.15, False),
-    ("exposed transfer + update / step at >= 32k tok/step (worst case)", _worst_exposed, 0.05, False),
+    ("exposed transfer + update (compute-stream idle) / step at >= 32k tok/step, worst slide case",
+     _worst_exposed, 0.05, False),
 ]
 
 
@@ -107,25 +107,23 @@ def targets_md(records: list[dict]) -> str:
 
 
 def cases_md(records: list[dict]) -> str:
-    """Every case that ran: throughput, memory and the three bounds next to the measured step."""
+    """Every timed case that ran: throughput, memory, the three bounds next to the measured step, and the
+    compute stream's idle time per profiled step (seconds and share of that step)."""
     rows = []
     for r in records:
-        if not r["ok"] or r["system_key"] == "probe":
+        if not r["ok"] or r["system_key"] == "probe" or r.get("ladder"):
             continue
-        bounds, exposed = r.get("bounds_s") or {}, r.get("exposed_s") or {}
-        rows.append([r["case"], r["system"], r["tokens_per_step"], r["vram_cap_gib"], r["tokens_per_s"],
-                     r["step_s_mean"], r.get("tflops_6nt"), r.get("tflops_full"), r.get("peak_vram_alloc_gib"),
-                     r.get("peak_vram_reserved_gib"), r.get("peak_rss_gib"), bounds.get("gpu_compute"),
-                     bounds.get("pcie"), bounds.get("cpu_update"), r.get("binding"),
-                     _sum(exposed.get("transfer"), exposed.get("update"))])
-    header = ["case", "system", "tok/step", "cap GiB", "tok/s", "step s", "TFLOP/s 6NT", "TFLOP/s full",
+        bounds, idle = r.get("bounds_s") or {}, r.get("exposed_s") or {}
+        share = idle.get("share")
+        rows.append([r["case"], r["system"], tier_label(r), r["tokens_per_step"], r["vram_cap_gib"],
+                     r["tokens_per_s"], r["step_s_mean"], r.get("tflops_6nt"), r.get("tflops_full"),
+                     r.get("peak_vram_alloc_gib"), r.get("peak_vram_reserved_gib"), r.get("peak_rss_gib"),
+                     bounds.get("gpu_compute"), bounds.get("pcie"), bounds.get("cpu_update"), r.get("binding"),
+                     idle.get("total"), None if share is None else f"{100 * share:.1f}%"])
+    header = ["case", "system", "tier", "tok/step", "cap GiB", "tok/s", "step s", "TFLOP/s 6NT", "TFLOP/s full",
               "VRAM alloc GiB", "VRAM res GiB", "RSS GiB", "GPU bound s", "PCIe bound s", "CPU-Adam bound s",
-              "binds", "exposed s"]
+              "binds", "idle s", "idle %"]
     return _table(header, rows)
-
-
-def _sum(*values: float | None) -> float | None:
-    return None if any(v is None for v in values) else sum(values)  # type: ignore[arg-type]
 
 
 def probe_md(records: list[dict]) -> str:
@@ -140,17 +138,29 @@ def probe_md(records: list[dict]) -> str:
 
 
 def ladders_md(records: list[dict]) -> str:
-    """Largest size each system ran per ladder, and the error that stopped it."""
-    chains: dict[str, dict] = {}
+    """Per ladder: the largest size that ran (with its step and memory) and what ended the ladder."""
+    rows = []
     for r in records:
-        if r.get("chain"):
-            entry = chains.setdefault(r["chain"], {"largest": None, "stopped by": None})
-            if r["ok"]:
-                entry["largest"] = r["case"]
-            elif entry["stopped by"] is None and not str(r["error"]).startswith("skipped"):
-                entry["stopped by"] = f"{r['case']}: {str(r['error']).splitlines()[0][:160]}"
-    rows = [[chain, e["largest"], e["stopped by"]] for chain, e in chains.items()]
-    return _table(["ladder", "largest that ran", "first failure"], rows) if rows else ""
+        ladder = r.get("ladder")
+        if not ladder:
+            continue
+        best = max(ladder["passed"], key=lambda rung: rung["size"], default={})
+        rows.append([r["case"], r["system"], tier_label(r), ladder["grow"], best.get("size"), best.get("tokens"),
+                     best.get("step_s"), best.get("peak_vram_alloc_gib"), best.get("rss_gib"), _ending(ladder)])
+    header = ["ladder", "system", "tier", "grows", "largest that ran", "tokens", "step s", "VRAM alloc GiB",
+              "RSS GiB", "then"]
+    return _table(header, rows) if rows else ""
+
+
+def _ending(ladder: dict) -> str:
+    """What ended a ladder: its first failure (size, phase, error), the time cap, or the last rung."""
+    failure = ladder.get("first_failure")
+    text = (f"{failure['size']} failed ({failure['phase']}): {str(failure['error']).splitlines()[0][:160]}"
+            if failure else str(ladder.get("stopped")))
+    retried = ladder.get("retried")
+    if retried:
+        text += f" [retried fresh after: {retried['size']} {str(retried['error']).splitlines()[0][:80]}]"
+    return text
 
 
 def failures_md(records: list[dict]) -> str:
@@ -177,7 +187,8 @@ def summary_md(records: list[dict]) -> str:
             f"{machine.get('cpu')} ({machine.get('cpus')} CPUs, {_f(machine.get('ram_gib'), 0)} GiB); torch "
             f"{machine.get('torch')}, transformers {machine.get('transformers')}, lightning "
             f"{machine.get('lightning')}, deepspeed {machine.get('deepspeed')}.\n\nCommand: `{first.get('command')}`\n"
-            "TFLOP/s 6NT: " + str(first.get("flop_formula")) + "; full: " + str(first.get("flop_formula_full")))
+            "TFLOP/s 6NT: " + str(first.get("flop_formula")) + "; full: " + str(first.get("flop_formula_full"))
+            + f"\n\n`idle s` and `idle %` (the exposed transfer + update time): {EXPOSED_MEANING}.")
     plots = "\n\n![throughput](throughput.png)\n\n![step time vs bounds](bounds.png)\n"
     return head + "\n\n" + tables_md(records) + plots
 
@@ -187,6 +198,9 @@ def summary_text(records: list[dict]) -> str:
     lines = [f"{'case':<44} {'tok/s':>9} {'step s':>7}  error"]
     for r in records:
         if r["system_key"] == "probe":
+            continue
+        if r.get("ladder"):
+            lines.append(f"{r['case']:<44} largest {r['ladder']['max_passed']}, then {_ending(r['ladder'])[:90]}")
             continue
         error = "" if r["ok"] else str(r["error"]).splitlines()[0][:70]
         lines.append(f"{r['case']:<44} {_f(r.get('tokens_per_s')):>9} {_f(r.get('step_s_mean')):>7}  {error}")

@@ -15,18 +15,21 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import psutil
 
 from benchmarks import report
-from benchmarks.cases import SUITES, Case, resolve
+from benchmarks.cases import NVME_PATH, SUITES, Case, resolve
+from benchmarks.ladder import LadderLog, conclude, merge_retry, retry_size
 from benchmarks.records import base_record, finalize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,8 +74,53 @@ def git_commit() -> str:
 
 
 def case_timeout(case: Case) -> float:
-    """A hung case (a deadlock, a stuck copy) must not eat the whole budget: allow 2.5x its estimate."""
+    """A hung case (a deadlock, a stuck copy) must not eat the whole budget: allow 2.5x its estimate;
+    a ladder stops itself at its time cap, so it gets that and half again for the rung in flight."""
+    if case.is_ladder:
+        return 1.5 * case.time_cap_s + 30.0
     return max(2.5 * case.est_s, case.est_s + 60.0)
+
+
+@dataclass
+class Exit:
+    """How a worker process ended, as the parent saw it."""
+
+    argv: list[str]
+    rc: int | None
+    timed_out: bool
+    wall_s: float
+    peak_rss: int
+    tail: str
+
+    @property
+    def host_killed(self) -> bool:
+        return not self.timed_out and self.rc == -signal.SIGKILL
+
+    def error(self, reported: str | None) -> str:
+        return _failure(reported, self.rc, self.timed_out, self.wall_s, self.peak_rss)
+
+    def fields(self) -> dict:
+        return {"case_command": shlex.join(self.argv), "rc": self.rc, "wall_s": self.wall_s,
+                "peak_rss_gib": self.peak_rss / GIB}
+
+
+def skip_reason(case: Case, left_s: float, include_known: bool) -> str | None:
+    """Why a case is not run: seen failing before (unless asked), or its estimate no longer fits."""
+    if case.known_failure and not include_known:
+        return f"skipped: known failure ({case.known_failure}); run with --include-known-failures"
+    if left_s < case.est_s:
+        return f"skipped: time budget ({left_s:.0f} s left, case needs about {case.est_s:.0f} s)"
+    return None
+
+
+def plan(cases: list[Case], budget_s: float, include_known: bool) -> str:
+    """What a run would do if every case took its estimate: the lines of `--plan`."""
+    left, lines = budget_s, []
+    for case in cases:
+        skip = skip_reason(case, left, include_known)
+        left -= 0 if skip else case.est_s
+        lines.append(f"{'skip' if skip else 'run ':<5}{case.est_s:5.0f} s  {case.name}")
+    return "\n".join(lines + [f"about {budget_s - left:.0f} s of {budget_s:.0f} s used"])
 
 
 class Runner:
@@ -83,7 +131,6 @@ class Runner:
         self.out, self.budget_s, self.include_known = out, budget_s, include_known_failures
         self.started = time.monotonic()
         self.records: list[dict] = []
-        self.failed_chains: set[str] = set()
         self.scratch = Path(tempfile.mkdtemp(prefix="lsbench-"))
         self.common = {"command": command, "commit": commit or git_commit(),
                        "date": datetime.date.today().isoformat(), "machine": machine_facts()}
@@ -96,7 +143,7 @@ class Runner:
     def run_all(self, cases: list[Case]) -> list[dict]:
         for case in cases:
             record = {**base_record(case), **self.common}
-            skip = self._skip_reason(case)
+            skip = skip_reason(case, self.remaining(), self.include_known)
             if skip:
                 record["error"] = skip
             else:
@@ -104,42 +151,58 @@ class Runner:
                 record.update(self._run_case(case))
                 gpu = {key: record.pop(key) for key in ("gpu", "gpu_mem_gib", "cuda") if key in record}
                 record["machine"] = {**record["machine"], **gpu}
-            if not record["ok"] and case.chain:
-                self.failed_chains.add(case.chain)
             self.records.append(record)
             print(f"         -> {_one_line(record)}", flush=True)
             self.save()
         return self.records
 
-    def _skip_reason(self, case: Case) -> str | None:
-        if case.known_failure and not self.include_known:
-            return f"skipped: known failure ({case.known_failure}); run with --include-known-failures"
-        if case.chain in self.failed_chains:
-            return f"skipped: a smaller size of ladder {case.chain} already failed"
-        if self.remaining() < case.est_s:
-            return f"skipped: time budget ({self.remaining():.0f} s left, case needs about {case.est_s:.0f} s)"
-        return None
-
     def _run_case(self, case: Case) -> dict:
-        """Start the worker, poll its process tree's RSS, kill it at the budget's end."""
+        """One case: its worker's result plus what the parent saw (exit, wall time, peak RSS)."""
+        if case.is_ladder:
+            return self._run_ladder(case)
+        measured, end = self._spawn(case, [], min(self.remaining(), case_timeout(case)))
+        measured.update(end.fields())
+        if measured.get("ok") and end.rc == 0:
+            return measured
+        return {**measured, "ok": False, "error": end.error(measured.get("error")), "log_tail": _last(end.tail, 40)}
+
+    def _run_ladder(self, case: Case) -> dict:
+        """A ladder, and once more from its killed rung in a fresh process when a host-RAM kill may have
+        been caused by the earlier rungs' buffers (benchmarks.ladder.retry_size)."""
+        cap = min(case.time_cap_s, self.remaining())
+        first, end = self._climb(case, cap, None)
+        log = LadderLog.from_result(first)
+        left = min(cap - end.wall_s, self.remaining())
+        size = retry_size(case, log, end.host_killed, left) if log else None
+        if size is None:
+            return first
+        second, end = self._climb(case, left, size)
+        return {**second, **merge_retry(log, second), "wall_s": first["wall_s"] + end.wall_s,
+                "peak_rss_gib": max(first["peak_rss_gib"], second["peak_rss_gib"])}
+
+    def _climb(self, case: Case, cap: float, from_size: int | None) -> tuple[dict, Exit]:
+        extra = ["--time-cap-s", f"{cap:.0f}"] + (["--from-size", str(from_size)] if from_size else [])
+        measured, end = self._spawn(case, extra, min(self.remaining(), 1.5 * cap + 30.0))
+        result = {**measured, **conclude(measured, end.error(None) if end.rc else None), **end.fields()}
+        if not result["ok"] or (result.get("ladder") or {}).get("first_failure"):
+            result["log_tail"] = _last(end.tail, 40)
+        return result, end
+
+    def _spawn(self, case: Case, extra: list[str], timeout_s: float) -> tuple[dict, Exit]:
+        """Start the worker, poll its process tree's RSS, kill it at the timeout; its result file's content."""
         result_file, log_file = self.scratch / f"{case.name}.json", self.scratch / f"{case.name}.log"
-        argv = [sys.executable, "-m", "benchmarks.worker", "--case", case.name, "--result", str(result_file)]
+        result_file.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "benchmarks.worker", "--case", case.name, "--result", str(result_file), *extra]
+        _clear_disk_tier(case)
         started = time.monotonic()
         with log_file.open("w") as log:
             proc = subprocess.Popen(argv, cwd=REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            peak_rss, timed_out = _watch(proc, timeout_s=max(1.0, min(self.remaining(), case_timeout(case))))
-        wall = time.monotonic() - started
-        tail = _tail(log_file)
-        self._append_log(case, tail)
-        measured = _read_result(result_file)
-        measured.update(case_command=shlex.join(argv), rc=proc.returncode, wall_s=wall, peak_rss_gib=peak_rss / GIB)
-        if measured.get("ok") and proc.returncode == 0:
-            return measured
-        measured["ok"] = False
-        measured["error"] = _failure(measured.get("error"), proc.returncode, timed_out, wall, peak_rss)
-        measured["log_tail"] = "\n".join(tail.splitlines()[-40:])
-        return measured
+            peak_rss, timed_out = _watch(proc, timeout_s=max(1.0, timeout_s))
+        end = Exit(argv, proc.returncode, timed_out, time.monotonic() - started, peak_rss, _tail(log_file))
+        _clear_disk_tier(case)
+        self._append_log(case, end.tail)
+        return _read_result(result_file), end
 
     def _append_log(self, case: Case, tail: str) -> None:
         with (self.out / "run.log").open("a") as log:
@@ -155,6 +218,12 @@ class Runner:
             report.write(self.out, self.records)
         except Exception as error:  # noqa: BLE001 - a plotting bug must not end the run; jsonl is saved
             print(f"report not written: {type(error).__name__}: {error}", flush=True)
+
+
+def _clear_disk_tier(case: Case) -> None:
+    """The disk tier's folder is the harness's own: a killed worker must not leave its files to the next case."""
+    if case.tier == "nvme":
+        shutil.rmtree(NVME_PATH, ignore_errors=True)
 
 
 def _child_env() -> dict:
@@ -201,7 +270,11 @@ def _read_result(path: Path) -> dict:
 
 
 def _tail(log_file: Path) -> str:
-    return "\n".join(log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+    return _last(log_file.read_text(errors="replace"), LOG_TAIL_LINES)
+
+
+def _last(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _failure(error: str | None, rc: int | None, timed_out: bool, wall: float, peak_rss: int) -> str:
@@ -218,6 +291,10 @@ def _failure(error: str | None, rc: int | None, timed_out: bool, wall: float, pe
 
 
 def _one_line(record: dict) -> str:
+    ladder = record.get("ladder")
+    if ladder:
+        ending = (ladder.get("first_failure") or {}).get("error") or ladder.get("stopped") or record["error"]
+        return f"largest {ladder['grow']} that ran: {ladder['max_passed']}; then {str(ending).splitlines()[0][:160]}"
     if record["ok"]:
         tps = record.get("tokens_per_s")
         return "ok" + (f", {tps:,.0f} tok/s" if tps else "")
@@ -232,12 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-known-failures", action="store_true",
                         help="also run cases seen failing before (e.g. ds3 on 8B: host out of memory)")
     parser.add_argument("--commit", help="git sha to record (default: this checkout's HEAD, if git is there)")
-    parser.add_argument("--list", action="store_true", help="list suites and cases, then exit")
+    parser.add_argument("--list", action="store_true", help="list suites and cases with estimates, then exit")
+    parser.add_argument("--plan", action="store_true", help="show which cases the budget would run, then exit")
     args = parser.parse_args(argv)
     if args.list:
         for name, cases in SUITES.items():
             print(f"{name} ({len(cases)} cases, about {sum(c.est_s for c in cases) / 60:.0f} min):")
-            print("".join(f"  {c.name}{'  [known failure]' if c.known_failure else ''}\n" for c in cases))
+            print("".join(f"  {c.est_s:5.0f} s  {c.name}{'  [known failure]' if c.known_failure else ''}\n"
+                          for c in cases))
+        return 0
+    if args.plan:
+        print(plan(resolve(args.cases), args.budget_s, args.include_known_failures))
         return 0
     if args.out is None:
         parser.error("--out is required")

@@ -5,6 +5,8 @@ event on the current stream: neither waits for the GPU. The device is synchronis
 when the warm-up ends and when the last timed step ends, so the window's wall time is exact and
 tokens/s = timed steps x tokens per step / window. Per-step times come from the events (the GPU
 timeline, which also shows any gap where the GPU waited for the host); on the CPU from the host clock.
+After the window, `profile_steps` more steps run under the CUDA profiler to measure how long the compute
+stream sat idle (benchmarks.gpu_idle); they are not timed, and on the CPU they are not run.
 """
 
 from __future__ import annotations
@@ -15,30 +17,42 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.gpu_idle import IdleProbe
+
 
 class WindowClock:
-    """Counts steps; times the `steps` that follow `warmup` untimed ones."""
+    """Counts steps; times the `steps` that follow `warmup` untimed ones, then profiles `profile_steps`."""
 
-    def __init__(self, warmup: int, steps: int, device: torch.device) -> None:
+    def __init__(self, warmup: int, steps: int, device: torch.device, profile_steps: int = 0) -> None:
         self.warmup, self.steps, self.device = warmup, steps, device
+        self.profile_steps = profile_steps if device.type == "cuda" else 0
+        self.gpu_idle: dict | None = None
+        self._probe: IdleProbe | None = None
         self.ticks = 0
         self.host: list[float] = []
         self.events: list[torch.cuda.Event] = []
-        self.window_s: float | None = None
         self.first_step_at = 0.0
         self.on_window_start: Callable[[], None] | None = None
         self.on_window_end: Callable[[], None] | None = None
 
     @property
     def done(self) -> bool:
+        """The timed window is complete (profiled steps may follow)."""
         return self.ticks >= self.warmup + self.steps
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps + self.profile_steps
 
     def tick(self) -> None:
         """End of one step: mark it; at the window's two ends, synchronise once and call the hooks."""
         self.ticks += 1
         if self.ticks == 1:
             self.first_step_at = time.perf_counter()
-        if self.ticks < self.warmup or self.ticks > self.warmup + self.steps:
+        if self.ticks > self.warmup + self.steps:
+            self._profile_tick()
+            return
+        if self.ticks < self.warmup:
             return
         at_end = self.ticks == self.warmup + self.steps
         if self.ticks == self.warmup or at_end:
@@ -51,6 +65,17 @@ class WindowClock:
         hook = self.on_window_start if self.ticks == self.warmup else self.on_window_end if at_end else None
         if hook is not None:
             hook()
+        if at_end and self.profile_steps:
+            self._probe = IdleProbe(self.device)
+            self._probe.start()
+
+    def _profile_tick(self) -> None:
+        if self._probe is None:
+            return
+        self._probe.mark()
+        if self.ticks == self.total_steps:
+            self.gpu_idle = self._probe.finish()
+            self._probe = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -76,4 +101,5 @@ class WindowClock:
             "step_times_s": steps,
             "host_step_times_s": host_steps,
             "step_time_source": "cuda events" if self.events else "host clock",
+            "gpu_idle": self.gpu_idle,
         }

@@ -1,14 +1,14 @@
-"""One case in one process: `python -m benchmarks.worker --case NAME --result FILE`.
+"""One case in one process: `python -m benchmarks.worker --case NAME --result FILE [--time-cap-s S]`.
 
 The runner starts this for every case, so an out-of-memory error, a host-RAM kill or a broken CUDA
 state ends only this case. It writes what it measured to FILE (also when it fails, with the error),
 and the runner adds what only the parent can see (the process tree's peak RSS, the exit status).
+A ladder writes FILE after every rung too, so what it passed survives a kill (benchmarks.ladder).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cases import CASES, Case
+from benchmarks.ladder import write_json
 
 GIB = float(1 << 30)
 
@@ -41,14 +42,10 @@ def _measure(case: Case, device: torch.device) -> dict:
         from benchmarks.loops import run_probe
 
         return run_probe(case, device)
-    if case.system == "ceiling":
-        from benchmarks.loops import run_ceiling
+    if case.system in ("ceiling", "plain"):
+        from benchmarks.loops import run_timed
 
-        return run_ceiling(case, device)
-    if case.system == "plain":
-        from benchmarks.loops import run_plain
-
-        return run_plain(case, device)
+        return run_timed(case, device)
     from benchmarks.lit import run_lightning
 
     return run_lightning(case, device)
@@ -77,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--case", required=True, choices=sorted(CASES))
     parser.add_argument("--result", required=True, type=Path)
+    parser.add_argument("--time-cap-s", type=float, help="a ladder's time cap (default: the case's)")
+    parser.add_argument("--from-size", type=int, help="a ladder's first rung (a retry in a fresh process)")
     args = parser.parse_args(argv)
     case = CASES[args.case]
     _prefer_oom_kill()
@@ -85,8 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(case.device)
     try:
         device = _setup_device(case)
-        out.update(_measure(case, device))
-        out["ok"] = True
+        if case.is_ladder:
+            from benchmarks.rungs import run_ladder
+
+            out.update(run_ladder(case, device, args.result, args.from_size, args.time_cap_s or case.time_cap_s,
+                                  started))
+        else:
+            out.update(_measure(case, device))
+            out["ok"] = True
     except BaseException as error:  # noqa: BLE001 - every failure is a result to record
         traceback.print_exc()
         out["error"] = f"{type(error).__name__}: {error}"[:4000]
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if "first_step_at" in out:
         out["time_to_first_step_s"] = out.pop("first_step_at") - started
     out["worker_wall_s"] = time.perf_counter() - started
-    args.result.write_text(json.dumps(out))
+    write_json(args.result, out)
     sys.stdout.flush()
     os._exit(0 if out["ok"] else 1)  # skip interpreter teardown: strategy threads must not hang the exit
 

@@ -1,0 +1,160 @@
+"""How long the compute stream sat idle per step: the exposed (non-overlapped) transfer and update time.
+
+Measured on the GPU timeline, for every system alike, with no change to the runtimes: after the timed
+window (the timed steps run unprofiled), a few more steps run under torch.profiler with CUDA activity
+only. At every step end a marker kernel (torch.cuda._sleep's `spin_kernel`, a few hundred cycles) is
+queued on the current stream, the one the model computes on; the markers' starts are the step
+boundaries on the GPU timeline. Per step, between two markers:
+
+    idle = step - union of the compute stream's kernel intervals
+
+Idle is time the compute waited: for a weight load, a gradient slot, the CPU update, or the host
+(Python, launch overhead). It is split by what the rest of the GPU did meanwhile: `idle_copying_s`
+while a copy or another stream's kernel ran (the compute most likely waited on a transfer), and
+`idle_empty_s` while the GPU did nothing at all (it waited on the host). The first profiled step
+follows the window's closing synchronisation, so it only leads in and is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MARKER = "spin_kernel"  # the kernel torch.cuda._sleep launches
+MARKER_CYCLES = 500
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+Interval = tuple[float, float]
+
+
+class IdleProbe:
+    """Profiles the steps after the timed window; never raises (a profiler failure is recorded instead)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.error: str | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    def start(self) -> None:
+        """Called at the window's last tick, right after its synchronisation: the GPU is idle."""
+        try:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler.start()
+            self.mark()
+        except Exception as error:  # noqa: BLE001 - the timed result must survive a profiler failure
+            self.error = f"profiler start: {type(error).__name__}: {error}"
+
+    def mark(self) -> None:
+        if self.error is None:
+            torch.cuda._sleep(MARKER_CYCLES)
+
+    def finish(self) -> dict:
+        """Stop after the last profiled step and read the idle time per step from the trace."""
+        if self.error is not None:
+            return {"error": self.error}
+        try:
+            torch.cuda.synchronize(self.device)
+            self._profiler.stop()
+            with tempfile.TemporaryDirectory(prefix="lsbench-trace-") as folder:
+                path = Path(folder) / "trace.json"
+                self._profiler.export_chrome_trace(str(path))
+                trace = json.loads(path.read_text())
+            return idle_per_step(read_trace(trace))
+        except Exception as error:  # noqa: BLE001 - as above
+            return {"error": f"profile: {type(error).__name__}: {error}"}
+
+
+@dataclass
+class Activity:
+    """GPU intervals of a profile (µs): the compute stream's kernels, all other GPU work, the markers."""
+
+    stream: object
+    compute: list[Interval]
+    other: list[Interval]
+    boundaries: list[float]
+
+
+def read_trace(trace: dict) -> Activity:
+    """The GPU events of a chrome trace (torch.profiler's export): kernels, copies and memsets by stream."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    markers = [e for e in events if e["cat"] == "kernel" and MARKER in e.get("name", "")]
+    if len(markers) < 3:
+        raise ValueError(f"{len(markers)} step markers in the profile; at least 3 are needed for one step")
+    stream = Counter(_stream(e) for e in markers).most_common(1)[0][0]
+    on_compute = [e for e in events if e["cat"] == "kernel" and _stream(e) == stream]
+    return Activity(
+        stream=stream,
+        compute=[_interval(e) for e in on_compute if MARKER not in e.get("name", "")],
+        other=[_interval(e) for e in events if not (e["cat"] == "kernel" and _stream(e) == stream)],
+        boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
+    )
+
+
+def _stream(event: dict) -> object:
+    return (event.get("args") or {}).get("stream", event.get("tid"))
+
+
+def _interval(event: dict) -> Interval:
+    start = float(event["ts"])
+    return start, start + float(event.get("dur", 0.0))
+
+
+def idle_per_step(activity: Activity) -> dict:
+    """Seconds per profiled step (the lead-in step, before the second marker, left out)."""
+    compute, other = union(activity.compute), union(activity.other)
+    rows: dict[str, list[float]] = {"step_s": [], "busy_s": [], "idle_s": [], "idle_copying_s": [],
+                                    "idle_empty_s": []}
+    for lo, hi in zip(activity.boundaries[1:], activity.boundaries[2:]):
+        idle = gaps(compute, lo, hi)
+        copying = length(intersect(idle, other))
+        for key, value in (("step_s", hi - lo), ("busy_s", hi - lo - length(idle)), ("idle_s", length(idle)),
+                           ("idle_copying_s", copying), ("idle_empty_s", length(idle) - copying)):
+            rows[key].append(value / 1e6)
+    return {**rows, "stream": activity.stream, "steps": len(rows["step_s"])}
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same time."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def gaps(busy: list[Interval], lo: float, hi: float) -> list[Interval]:
+    """The parts of [lo, hi] that sorted, disjoint `busy` intervals leave uncovered."""
+    out, at = [], lo
+    for start, end in busy:
+        if end <= at or start >= hi:
+            continue
+        if start > at:
+            out.append((at, start))
+        at = max(at, end)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Overlap of two sorted, disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def length(intervals: list[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
