@@ -1,9 +1,9 @@
 """Rotary position embedding on q and k, as Hugging Face's `apply_rotary_pos_emb` does it.
 
 HF rotates by halves: `out = x * cos + rotate_half(x) * sin` with `rotate_half(x) = cat(-x2, x1)`.
-One launch rotates q and k together (as Liger does): each program takes a block of tokens and all
-of their q heads and k heads (GQA gives k fewer), so each token's cos/sin row is read once and
-shared by every head of both tensors. The backward is the same kernel with the transposed rotation.
+One launch rotates q and k together (as Liger does): each program takes a block of positions of
+one sequence and all of their q heads and k heads (GQA gives k fewer), so each token's cos/sin row
+is read once and shared by every head of both tensors. The backward is the same kernel with the transposed rotation.
 Math in fp32, one rounding to the output dtype; any (batch, seq, head) strides, unit stride on the
 head dim, so HF's transposed views go in and come out without a copy.
 
@@ -37,6 +37,7 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+@device_function
 def _rotate_heads(X, Y, x_tok, y_tok, x_h, y_h, tok_ok, d, c1, c2, s1, s2, H, HALF,
                   BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rotate all H heads of a block of tokens: a [tokens, heads, half head dim] tile per half."""
@@ -56,18 +57,19 @@ def _rotate_heads(X, Y, x_tok, y_tok, x_h, y_h, tok_ok, d, c1, c2, s1, s2, H, HA
     tl.store(yp + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
 
-_rotate_heads = device_function(_rotate_heads)
-
 
 def _rope(Q, K, QO, KO, COS, SIN, q_b, q_s, q_h, k_b, k_s, k_h, qo_b, qo_s, qo_h, ko_b, ko_s, ko_h,
-          cos_b, cos_s, S, N, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+          cos_b, cos_s, S, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
           BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
           BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """BLOCK_T tokens (batch-major, N in all): cos/sin loaded once, then every q and k head."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    b = t // S
-    s = t % S
-    tok_ok = t < N
+    """BLOCK_T positions of one sequence: cos/sin loaded once, then every q and k head.
+
+    The grid is (position blocks, batch), so no program divides a token index (an int64 division
+    costs dozens of instructions, which an elementwise kernel cannot hide).
+    """
+    b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = s < S
     d = tl.arange(0, BLOCK_D)[None, None, :]
     cmask = tok_ok[:, None, None] & (d < HALF)
     cp = (b * cos_b + s * cos_s)[:, None, None] + d
@@ -100,13 +102,12 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, backward: bool, dtypes) -> tuple
     qo, ko = torch.empty_like(q, dtype=dtypes[0]), torch.empty_like(k, dtype=dtypes[1])
     seq_axis, head_axis = (2, 1) if unsqueeze_dim == 1 else (1, 2)
     S, hq, hk, half = q.shape[seq_axis], q.shape[head_axis], k.shape[head_axis], q.shape[-1] // 2
-    n = q.shape[0] * S
     cos_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     block_hq, block_d = next_pow2(hq), next_pow2(half)
-    block_t = max(1, min(next_pow2(n), TILE // (block_hq * block_d)))
-    _rope_kernel[(-(-n // block_t),)](
+    block_t = max(1, min(next_pow2(S), TILE // (block_hq * block_d)))
+    _rope_kernel[(-(-S // block_t), q.shape[0])](
         q, k, qo, ko, cos, sin, *_bsh(q, unsqueeze_dim), *_bsh(k, unsqueeze_dim),
-        *_bsh(qo, unsqueeze_dim), *_bsh(ko, unsqueeze_dim), cos_b, cos.stride(1), S, n,
+        *_bsh(qo, unsqueeze_dim), *_bsh(ko, unsqueeze_dim), cos_b, cos.stride(1), S,
         HQ=hq, HK=hk, HALF=half, BACKWARD=backward, BLOCK_T=block_t, BLOCK_HQ=block_hq,
         BLOCK_HK=next_pow2(hk), BLOCK_D=block_d,
         **launch_options(4 if block_t * block_hq * block_d <= TILE else 8))

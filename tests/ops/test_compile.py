@@ -28,7 +28,7 @@ def _kernels(dtype: str):
     import ops.rotary as rotary
 
     p = P.format(dtype)
-    rope = [p] * 6 + [I] * 16
+    rope = [p] * 6 + [I] * 15
     ce = [p, I, "*i64", "*fp32", "*fp32", I, I, F, F]
     return {
         "rms_norm_fwd": (norm._fwd, [p, p, p, "*fp32", I, I, I, I, F], {"BLOCK_M": 1, "BLOCK_N": 4096}),
