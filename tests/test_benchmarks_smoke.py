@@ -1,46 +1,114 @@
-"""The benchmark harness on the CPU: case table, derived bounds and ratios, report files, one tiny case."""
+"""The benchmark harness on the CPU: case table, derived bounds and ratios, the compute-stream idle
+analysis, ladders, report files, tiny cases."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
 from benchmarks import report
-from benchmarks.cases import CASES, SUITES, resolve
+from benchmarks.cases import CASES, SUITES, ladder, resolve
+from benchmarks.gpu_idle import idle_per_step, read_trace
+from benchmarks.ladder import LadderLog, conclude, merge_retry, retry_size
 from benchmarks.records import base_record, finalize
-from benchmarks.run import Runner
+from benchmarks.run import Runner, plan
+from benchmarks.rungs import run_ladder
+from benchmarks.timing import WindowClock
 
 
 def _record(name: str, **measured: object) -> dict:
     return {**base_record(CASES[name]), "ok": True, **measured}
 
 
+def _kernel(ts: float, dur: float, stream: int = 7, name: str = "gemm", cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "device": 0}}
+
+
+def _trace() -> dict:
+    """Markers at 0, 1000, 2000, 3000 µs on stream 7: a lead-in step, then two steps of 1 ms. Step 2: compute
+    busy 600 µs (two overlapping kernels), idle 400 µs of which a copy covers 100. Step 3: busy 1000 µs."""
+    marker = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    events = [_kernel(t, 1.0, name=marker) for t in (0.0, 1000.0, 2000.0, 3000.0)]
+    events += [_kernel(100.0, 800.0),  # lead-in step: not counted
+               _kernel(1000.0, 400.0), _kernel(1300.0, 300.0),  # 1000-1600 busy
+               _kernel(1700.0, 100.0, stream=20, name="Memcpy HtoD", cat="gpu_memcpy"),  # during idle
+               _kernel(1500.0, 50.0, stream=20, name="cast"),  # side stream, during busy: not idle time
+               _kernel(2000.0, 1000.0)]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5000.0})
+    return {"traceEvents": events}
+
+
 def _run_records() -> list[dict]:
-    """A made-up run: probe, 8B ceiling, 8B mb8 slide with engine stats (running totals)."""
-    stats = {"start": {"steps": 3, "wait_grads_s": 1.0, "wait_update_s": 2.0, "h2d_bytes": 0, "d2h_bytes": 0},
-             "end": {"steps": 13, "wait_grads_s": 2.0, "wait_update_s": 3.0, "h2d_bytes": 640e9, "d2h_bytes": 320e9}}
+    """A made-up run: probe, 8B ceiling, 8B mb8 and mb64 slide with engine stats and a profile."""
+    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0},
+             "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9}}
+    idle = idle_per_step(read_trace(_trace()))
     return [
         _record("probe", adam={"params_per_s": 4e9, "params": 5e8, "threads": 16, "step_s": 0.125},
                 pcie={"h2d_gbs": 50.0, "d2h_gbs": 50.0, "bidir_gbs": 90.0}),
         _record("llama3_8b-mb8-capnone-ceiling", tokens_per_s=11000.0, step_s_mean=8192 / 11000.0),
         _record("llama3_8b-mb8-cap24-slide-cpu", tokens_per_s=3000.0, step_s_mean=8192 / 3000.0,
-                engine_stats=stats, slide_config={"h2d_source": "master", "activations": "auto"}),
+                engine_stats=stats, slide_config={"h2d_source": "master", "activations": "auto"}, gpu_idle=idle),
+        _record("llama3_8b-mb64-cap24-slide-cpu-slots-auto", tokens_per_s=11000.0, step_s_mean=65536 / 11000.0,
+                gpu_idle=idle),
     ]
 
 
-def test_suites_resolve_and_name_the_target_cases() -> None:
+def test_suites_resolve_and_name_the_cases_asked_for() -> None:
     assert [c.name for c in resolve(["targets"])] == [c.name for c in SUITES["targets"]]
     assert resolve(["probe,llama3_8b-mb8-capnone-ceiling"])[1].tokens_per_step == 8192
-    targets = {c.name for c in SUITES["targets"]}
-    for needed in ("llama3_8b-mb64-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_8b-mb8-capnone-ceiling"):
-        assert needed in targets
+    wanted = ["llama3_3b-mb8-cap24-ds2", "llama3_8b-mb1-seq16384-cap24-slide-cpu",
+              "llama3_8b-mb8-cap24-slide-nvme-moments-0.0", "llama3_8b-mb8-cap24-slide-nvme-moments-0.25",
+              "llama3_8b-mb8-cap24-slide-cpu-slots-auto", "llama3_8b-mb64-cap24-slide-cpu-slots-auto",
+              "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq", "llama3_3b-cap24-ds3-max-mb",
+              "llama3_3b-cap24-ds2-max-mb", "llama3_3b-cap24-plain-max-mb", "llama3_8b-cap24-ds3-max-mb",
+              *(f"{m}-mb{mb}-cap24-slide-cpu" for m in ("llama3_1b", "llama3_3b", "llama3_8b") for mb in (1, 8, 32, 64))]
+    assert not [name for name in wanted if name not in CASES]
+    nvme = CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]
+    assert nvme.tier == "nvme" and nvme.settings["nvme_path"] == "/tmp/lsbench-nvme"
+    assert CASES["llama3_8b-cap24-ds3-max-mb"].known_failure
+    assert [c.name for c in SUITES["session2"][2:5]] == [
+        "llama3_8b-mb8-cap24-slide-cpu-slots-auto", "llama3_8b-mb64-cap24-slide-cpu-slots-auto",
+        "llama3_3b-mb8-cap24-ds2"]
     with pytest.raises(SystemExit):
         resolve(["no-such-case"])
 
 
-def test_bounds_exposed_time_and_targets_come_from_the_run() -> None:
+def test_a_name_means_one_case_in_every_suite() -> None:
+    for suite in SUITES.values():
+        for case in suite:
+            assert CASES[case.name] == case
+
+
+def test_plan_skips_what_the_budget_cannot_hold() -> None:
+    lines = plan(resolve(["session2"]), 540.0, include_known=False).splitlines()
+    assert lines[0].startswith("run") and "skip" in "".join(lines)
+    assert sum(c.est_s for c in SUITES["ladders"]) <= 400  # the informative ladders fit ~6 minutes
+
+
+def test_idle_is_the_compute_streams_gaps_between_step_markers() -> None:
+    idle = idle_per_step(read_trace(_trace()))
+    assert idle["steps"] == 2 and idle["stream"] == 7
+    assert idle["step_s"] == pytest.approx([1e-3, 1e-3], abs=1e-9)
+    assert idle["busy_s"] == pytest.approx([6e-4, 1e-3], abs=2e-6)
+    assert idle["idle_s"] == pytest.approx([4e-4, 0.0], abs=2e-6)
+    assert idle["idle_copying_s"] == pytest.approx([1e-4, 0.0], abs=1e-9)
+    with pytest.raises(ValueError):
+        read_trace({"traceEvents": _trace()["traceEvents"][:2]})
+
+
+def test_cpu_runs_are_not_profiled_and_record_no_idle_time() -> None:
+    clock = WindowClock(2, 3, torch.device("cpu"), profile_steps=3)
+    assert clock.total_steps == 5
+    for _ in range(clock.total_steps):
+        clock.tick()
+    assert clock.summary(64)["gpu_idle"] is None
+
+
+def test_bounds_idle_time_and_targets_come_from_the_run() -> None:
     records = _run_records()
     finalize(records)
     slide = records[2]
@@ -49,21 +117,79 @@ def test_bounds_exposed_time_and_targets_come_from_the_run() -> None:
     # recompute: the slide step does more work per token than the ceiling, so its bound exceeds the ceiling step
     assert slide["bounds_s"]["gpu_compute"] > records[1]["step_s_mean"]
     assert slide["binding"] == "cpu_update"
-    assert slide["exposed_s"]["transfer"] == pytest.approx(0.1)
-    assert slide["exposed_s"]["update"] == pytest.approx(0.1)
+    assert slide["exposed_s"]["total"] == pytest.approx(2e-4, abs=2e-6)
+    assert slide["exposed_s"]["share"] == pytest.approx(0.2, abs=1e-3)
     assert slide["baseline_of_same_run"]["case"] == "llama3_8b-mb8-capnone-ceiling"
     rows = {row["target"][:6]: row for row in report.target_rows(records)}
     assert rows["8B at "]["value"] == pytest.approx(slide["step_s_mean"] / slide["bounds_s"]["cpu_update"])
-    assert rows["8B, 24"]["met"] is None  # mb64 case not in this run
+    assert rows["8B, 24"]["met"] is None  # mb64 cpu case not in this run
+    assert rows["expose"]["value"] == pytest.approx(0.2, abs=1e-3) and rows["expose"]["met"] is False
+    assert "slots-auto" in rows["expose"]["binding"]
 
 
-def test_report_writes_summary_plots_and_per_case_json(tmp_path) -> None:
+def test_report_writes_summary_plots_ladders_and_per_case_json(tmp_path) -> None:
     records = _run_records()
+    climbed = LadderLog.for_case(CASES["llama3_8b-cap24-slide-cpu-max-mb"])
+    climbed.pass_rung({"size": 64, "tokens": 65536, "step_s": 6.0, "peak_vram_alloc_gib": 20.0, "rss_gib": 108.0})
+    climbed.start(96, "step")
+    records.append({**base_record(CASES["llama3_8b-cap24-slide-cpu-max-mb"]),
+                    **conclude(climbed.to_result(), "killed by SIGKILL after 99 s, likely out of host memory")})
     finalize(records)
     report.write(tmp_path, records)
-    assert "| llama3_8b-mb8-cap24-slide-cpu |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| llama3_8b-mb8-cap24-slide-cpu |" in summary and "cpu, slots=auto" in summary
+    assert "96 failed (step): killed by SIGKILL" in summary and (tmp_path / "bounds.png").exists()
     report.copy_results(tmp_path, tmp_path / "results", records)
     assert json.loads((tmp_path / "results" / "probe.json").read_text())["ok"]
+
+
+def test_a_ladder_stops_at_its_first_failure_and_keeps_what_passed(tmp_path, monkeypatch) -> None:
+    import benchmarks.loops
+
+    build = benchmarks.loops.make_step
+
+    def failing_at_8(case, device, seq_len):
+        step = build(case, device, seq_len)
+
+        def checked(ids: torch.Tensor) -> torch.Tensor:
+            if ids.shape[0] >= 8:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return step(ids)
+
+        return checked
+
+    monkeypatch.setattr(benchmarks.loops, "make_step", failing_at_8)
+    case = ladder("plain", "tiny", "micro_batch", (2, 4, 8, 16), time_cap_s=60, seq_len=32, cap_gib=None,
+                  device="cpu")
+    result = run_ladder(case, torch.device("cpu"), tmp_path / "r.json", None, case.time_cap_s, time.perf_counter())
+    climbed = result["ladder"]
+    assert result["ok"] and climbed["max_passed"] == 4 and [r["size"] for r in climbed["passed"]] == [2, 4]
+    assert climbed["first_failure"]["size"] == 8 and "simulated" in climbed["first_failure"]["error"]
+    assert json.loads((tmp_path / "r.json").read_text())["ladder"]["max_passed"] == 4  # written as it climbed
+
+
+def test_a_ladder_does_not_start_a_rung_past_its_time_cap(tmp_path) -> None:
+    case = ladder("plain", "tiny", "seq_len", (16, 32), time_cap_s=60, cap_gib=None, device="cpu")
+    started = -1e9  # the cap is long gone once the first rung has run
+    result = run_ladder(case, torch.device("cpu"), tmp_path / "r.json", None, 60.0, started)
+    assert result["ladder"]["max_passed"] == 16 and result["ladder"]["stopped"].startswith("time cap")
+
+
+def test_a_host_ram_kill_ends_a_ladder_and_may_be_retried_fresh() -> None:
+    case = CASES["llama3_8b-cap24-slide-cpu-max-mb"]
+    log = LadderLog.for_case(case)
+    log.pass_rung({"size": 64, "step_s": 6.0})
+    log.start(96, "step")
+    killed = LadderLog.from_result(conclude(log.to_result(), "killed by SIGKILL"))
+    assert killed.first_failure == {"size": 96, "phase": "step", "error": "killed by SIGKILL"}
+    assert retry_size(case, killed, host_killed=True, left_s=500.0) == 96
+    assert retry_size(case, killed, host_killed=True, left_s=10.0) is None
+    assert retry_size(case, killed, host_killed=False, left_s=500.0) is None
+    fresh = LadderLog.for_case(case)
+    fresh.pass_rung({"size": 96, "step_s": 9.0})
+    fresh.fail("OutOfMemoryError")
+    merged = merge_retry(killed, fresh.to_result())["ladder"]
+    assert merged["max_passed"] == 96 and merged["retried"]["error"] == "killed by SIGKILL"
 
 
 def test_runner_records_skipped_cases_when_the_budget_is_spent(tmp_path) -> None:
@@ -73,8 +199,17 @@ def test_runner_records_skipped_cases_when_the_budget_is_spent(tmp_path) -> None
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 1
 
 
-def test_tiny_ceiling_case_measures_a_window() -> None:
-    from benchmarks.loops import run_ceiling
+def test_runner_climbs_a_tiny_slide_ladder_in_one_worker(tmp_path) -> None:
+    case = CASES["tiny-capnone-slide-cpu-max-mb"]
+    records = Runner(tmp_path, budget_s=300.0, include_known_failures=False, command="test").run_all([case])
+    climbed = records[0]["ladder"]
+    assert records[0]["ok"] and climbed["max_passed"] == 8 and climbed["stopped"] == "all rungs passed"
+    assert "--time-cap-s" in records[0]["case_command"]
 
-    result = run_ceiling(CASES["tiny-mb4-seq64-capnone-ceiling"], torch.device("cpu"))
+
+def test_tiny_ceiling_case_measures_a_window() -> None:
+    from benchmarks.loops import run_timed
+
+    result = run_timed(CASES["tiny-mb4-seq64-capnone-ceiling"], torch.device("cpu"))
     assert result["tokens_per_s"] > 0 and result["timed_steps"] == 10 and len(result["step_times_s"]) == 10
+    assert result["gpu_idle"] is None
