@@ -41,8 +41,8 @@ class LadderLog:
     retried: dict | None = None  # the failure a fresh process was started to retry
 
     @classmethod
-    def for_case(cls, case: Case) -> "LadderLog":
-        return cls(case.grow, list(case.rungs), case.steps_per_rung, case.time_cap_s)
+    def for_case(cls, case: Case, time_cap_s: float | None = None) -> "LadderLog":
+        return cls(case.grow, list(case.rungs), case.steps_per_rung, time_cap_s or case.time_cap_s)
 
     @classmethod
     def from_result(cls, result: dict) -> "LadderLog | None":
@@ -125,7 +125,9 @@ def retry_size(case: Case, log: LadderLog, host_killed: bool, left_s: float) -> 
 
 def merge_retry(first: LadderLog, second: dict) -> dict:
     """One result from a ladder and its fresh-process retry: the rungs both passed, the retry's ending."""
-    log = LadderLog.from_result(second) or first
-    log.passed = first.passed + [rung for rung in log.passed if rung not in first.passed]
+    log = LadderLog.from_result(second)
+    if log is None:  # the fresh process died before its first write (while importing)
+        return {**first.to_result(), "retry_error": second.get("error")}
+    log.passed = first.passed + log.passed
     log.retried = first.first_failure
     return log.to_result()

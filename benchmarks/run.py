@@ -73,11 +73,12 @@ def git_commit() -> str:
     return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def case_timeout(case: Case) -> float:
+def case_timeout(case: Case, cap_s: float | None = None) -> float:
     """A hung case (a deadlock, a stuck copy) must not eat the whole budget: allow 2.5x its estimate;
-    a ladder stops itself at its time cap, so it gets that and half again for the rung in flight."""
+    a ladder stops itself at its time cap (`cap_s`, else the case's), so it gets that and half again for
+    the rung in flight."""
     if case.is_ladder:
-        return 1.5 * case.time_cap_s + 30.0
+        return 1.5 * (case.time_cap_s if cap_s is None else cap_s) + 30.0
     return max(2.5 * case.est_s, case.est_s + 60.0)
 
 
@@ -182,7 +183,7 @@ class Runner:
 
     def _climb(self, case: Case, cap: float, from_size: int | None) -> tuple[dict, Exit]:
         extra = ["--time-cap-s", f"{cap:.0f}"] + (["--from-size", str(from_size)] if from_size else [])
-        measured, end = self._spawn(case, extra, min(self.remaining(), 1.5 * cap + 30.0))
+        measured, end = self._spawn(case, extra, min(self.remaining(), case_timeout(case, cap)))
         result = {**measured, **conclude(measured, end.error(None) if end.rc else None), **end.fields()}
         if not result["ok"] or (result.get("ladder") or {}).get("first_failure"):
             result["log_tail"] = _last(end.tail, 40)

@@ -97,8 +97,7 @@ def _free(device: torch.device) -> None:
 def run_ladder(case: Case, device: torch.device, result: Path, from_size: int | None, time_cap_s: float,
                started: float) -> dict:
     """Climb the case's rungs (from `from_size` on, for a retry) and return the ladder's result."""
-    log = LadderLog.for_case(case)
-    log.time_cap_s = time_cap_s
+    log = LadderLog.for_case(case, time_cap_s)
     sizes = [size for size in case.rungs if from_size is None or size >= from_size]
     rungs = Rungs(case, log, result, device, sizes, started)
     log.start(sizes[0], "setup")

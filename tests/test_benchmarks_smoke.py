@@ -65,7 +65,8 @@ def test_suites_resolve_and_name_the_cases_asked_for() -> None:
               "llama3_8b-mb8-cap24-slide-cpu-slots-auto", "llama3_8b-mb64-cap24-slide-cpu-slots-auto",
               "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq", "llama3_3b-cap24-ds3-max-mb",
               "llama3_3b-cap24-ds2-max-mb", "llama3_3b-cap24-plain-max-mb", "llama3_8b-cap24-ds3-max-mb",
-              *(f"{m}-mb{mb}-cap24-slide-cpu" for m in ("llama3_1b", "llama3_3b", "llama3_8b") for mb in (1, 8, 32, 64))]
+              *(f"{model}-mb{mb}-cap24-slide-cpu" for model in ("llama3_1b", "llama3_3b", "llama3_8b")
+                for mb in (1, 8, 32, 64))]
     assert not [name for name in wanted if name not in CASES]
     nvme = CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]
     assert nvme.tier == "nvme" and nvme.settings["nvme_path"] == "/tmp/lsbench-nvme"
