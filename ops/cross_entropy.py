@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton.language as tl
 from torch import nn
 
-from ops._triton import Kernel, launch_options, next_pow2, use_triton
+from ops._triton import Kernel, device_function, launch_options, next_pow2, use_triton
 
 IGNORE_INDEX = -100
 CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 MiB
@@ -73,51 +73,53 @@ def _normaliser(valid: torch.Tensor, num_items_in_batch) -> torch.Tensor:
     return n.to(torch.float32).clamp(min=1.0)
 
 
+@device_function
+def _logits(P, c, V, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The logits at columns `c` in fp32 (softcapped, `softcap·tanh(z/softcap)`, when asked); -inf past V."""
+    mask = c < V
+    z = tl.load(P + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+    return tl.where(mask, z, float("-inf"))
+
+
 def _ce_rows(L, stride_l, Y, LOSS, INV, V, ignore_index, softcap, z_w,
              HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: online LSE over the vocab, the row's loss, then dlogits written over the logits."""
+    """One row: its log-sum-exp, its loss, then dlogits written over the logits.
+
+    The log-sum-exp runs online per lane (a running max and sum for each of the BLOCK columns
+    a step loads), so the loop over the vocabulary has no cross-warp reduction between its loads;
+    the lanes are combined once at the end.
+    """
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
     y = tl.load(Y + row)
     valid = y != ignore_index
     cols = tl.arange(0, BLOCK)
 
-    mask = cols < V
-    z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
-    z = tl.where(mask, z, float("-inf"))
-    m = tl.max(z, axis=0)
-    s = tl.sum(tl.exp(z - m), axis=0)
+    m = _logits(base, cols, V, softcap, HAS_SOFTCAP)  # full unless V < BLOCK: no -inf in later steps' m
+    s = tl.where(cols < V, 1.0, 0.0)
     for off in range(BLOCK, V, BLOCK):
-        c = off + cols
-        mask = c < V
-        z = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
-        z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        z = _logits(base, off + cols, V, softcap, HAS_SOFTCAP)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
-    lse = m + tl.log(s)
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
 
-    zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
-    if HAS_SOFTCAP:
-        zy = softcap * (1.0 - 2.0 / (tl.exp(2.0 * zy / softcap) + 1.0))
+    zy = _logits(base, tl.where(valid, y, 0), V, softcap, HAS_SOFTCAP)
     scale = tl.where(valid, tl.load(INV), 0.0)
     tl.store(LOSS + row, (lse - zy + z_w * lse * lse) * scale)
 
-    if WRITE_GRAD:  # d/dz [lse - z_y + w·lse²] = p·(1 + 2w·lse) - onehot(y)
+    if WRITE_GRAD:  # d/dz [lse - z_y + w·lse²] = p·(1 + 2w·lse) - onehot(y), times the softcap's slope
         coef = 1.0 + 2.0 * z_w * lse
         for off in range(0, V, BLOCK):
             c = off + cols
             mask = c < V
-            z = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                t = 1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0)
-                z = softcap * t
+            z = _logits(base, c, V, softcap, HAS_SOFTCAP)
             g = (tl.exp(z - lse) * coef - tl.where(c == y, 1.0, 0.0)) * scale
             if HAS_SOFTCAP:
+                t = tl.where(mask, z / softcap, 0.0)  # tanh of the raw logit
                 g = g * (1.0 - t * t)
             tl.store(base + c, g.to(L.dtype.element_ty), mask=mask)
 
