@@ -17,12 +17,14 @@ a 16k-token bf16 head takes 64 roundings of its running sum.
 
 Why the chunk's two gradient GEMMs overlap (`overlap=True`, on CUDA): with 256-row chunks the
 grad_W update is memory-bound (it reads and writes all of grad_W, 2 GB at vocab 128256, for
-0.27 TFLOP of work), while grad_x = dlogits @ W has only 256 x 4096 outputs and cannot fill the
-GPU by itself. Both only read the chunk's dlogits, so grad_x runs on a second, high-priority
-stream beside the grad_W update; the next chunk's logits wait for both. The second stream costs
+0.27 TFLOP of work), while grad_x = dlogits @ W has only 256 x 4096 outputs, about 64 output tiles
+for 132 SMs unless cuBLAS splits its 128k-long reduction (the 1.7 ms per chunk measured on one
+stream fits half the SMs idling through it). Both only read the chunk's dlogits, so grad_x runs
+on a second, high-priority stream, queued first so its blocks are placed first, and the grad_W
+update takes the SMs it leaves; the next chunk's logits wait for both. The second stream costs
 cuBLAS one more workspace (kept per stream from first use, so not part of each call's memory).
-Larger chunks would make every GEMM efficient but cost memory; recomputing logits in vocabulary
-slices to get larger chunks within the budget costs a fourth GEMM (8·T·H·V FLOPs).
+Within the budget the alternatives cost more: larger chunks through recomputing the logits in
+vocabulary slices add a share (P-1)/P of a fourth GEMM for P-times-larger chunks.
 
 Options: logit softcapping `c·tanh(z/c)`, a z-loss `w·lse²`, Hugging Face's `num_items_in_batch`
 normaliser, and a bias. With every label ignored the loss is 0, not NaN.
@@ -235,7 +237,7 @@ def _loss_and_grads(x, w, b, y, inv, o: _Options):
             torch.addmm(b, xc, w.t(), out=lc)
         rows_fn(lc, y[s:e], loss_rows[s:e], inv, o)
         if gx is not None:
-            with _beside(side, main):  # queued first, so its blocks are placed first
+            with _beside(side, main):
                 torch.mm(lc, w, out=gx[s:e])
         if gw is not None:
             if s == 0:
