@@ -21,6 +21,7 @@ from torch import nn
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
+from lightning_slide.tiers import align
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
@@ -247,6 +248,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     """storage.py + moments.py: fp32 master (pinned on CUDA), Adam moments (RAM or disk), optional extras."""
     n, t = shape.numel, shape.trainable if setup.training else 0
     on_disk = _moments_on_disk(shape, setup)
+    disk_bytes = sum(align(8 * shape.units[u].trainable) for u in on_disk)
+    on_disk = sum(shape.units[u].trainable for u in on_disk)
     more_disk = ("a larger nvme_moments" if setup.config.offload == "nvme"
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     entries = [
@@ -255,7 +258,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     ]
     if on_disk:
         chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
-        entries += [Entry("Adam exp_avg + exp_avg_sq on disk", "disk", 8 * on_disk, "a smaller nvme_moments"),
+        entries += [Entry("Adam exp_avg + exp_avg_sq on disk", "disk", disk_bytes, "a smaller nvme_moments"),
                     Entry(f"moment read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * 8 * chunk,
                           "a smaller chunk_elems")]
     if setup.training and setup.grad_sums:
@@ -268,12 +271,11 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     return entries
 
 
-def _moments_on_disk(shape: ModelShape, setup: Setup) -> int:
-    """Trainable elements whose moments the engine puts on disk (the same whole-unit choice)."""
+def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:
+    """The units whose moments the engine puts on disk (the same whole-unit choice)."""
     if not setup.training or setup.config.offload != "nvme":
-        return 0
-    trainable = [u.trainable for u in shape.units]
-    return sum(trainable[u] for u in disk_units(trainable, setup.config.nvme_moments or 0.0))
+        return []
+    return disk_units([u.trainable for u in shape.units], setup.config.nvme_moments or 0.0)
 
 
 def fit_moments(shape: ModelShape, setup: Setup, resources: Resources, headroom: float = 0.1) -> float:

@@ -171,7 +171,14 @@ class DiskFile:
         self.handle = io.open(path)
 
     def read(self, dst: torch.Tensor, offset: int) -> Callable[[], None]:
-        """Start reading len(dst) bytes at `offset` into host tensor `dst`; the returned call waits for them."""
+        """Start reading len(dst) bytes at `offset` into host tensor `dst`; the returned call waits for them.
+
+        The file's size is checked first: kvikio 26.10 can abort the process on a read past the end.
+        """
+        size, nbytes = os.path.getsize(self.path), dst.numel() * dst.element_size()
+        if offset + nbytes > size:
+            raise DiskTierError(f"Short read of {self.path}: {nbytes} bytes at offset {offset} but the file holds "
+                                f"{size} (was it truncated or replaced while training?).")
         return self._checked("read", self._io.read(self.handle, _bytes(dst), offset), dst, offset)
 
     def write(self, src: torch.Tensor, offset: int) -> Callable[[], None]:
@@ -181,7 +188,10 @@ class DiskFile:
         expected = buffer.numel() * buffer.element_size()
 
         def result() -> None:  # holds `buffer` alive until the I/O has finished
-            done = wait()
+            try:
+                done = wait()
+            except (OSError, RuntimeError) as error:  # kvikio reports EOF and I/O errors as RuntimeError
+                raise DiskTierError(f"Failed {what} of {self.path} at offset {offset}: {error}") from error
             if done != expected:
                 raise DiskTierError(f"Short {what} of {self.path}: {done} of {expected} bytes at offset {offset}.")
 
@@ -223,6 +233,7 @@ class Spill:
         self._expected: deque[Hashable] = deque()
         self._writes: dict[Hashable, int] = {}  # key -> writes queued and not finished
         self._lock = threading.Lock()
+        self._closed = False
         self.regions: dict[Hashable, tuple[Region, ...]] = {}
         self.bytes_read = self.bytes_written = 0
         self.reader: Worker[Hashable] = Worker(f"{name}-reader", self._read, failure)
@@ -262,10 +273,13 @@ class Spill:
         self.writer.put((None, self._index(buffer), event))
 
     def drain(self) -> float:
-        """Wait for queued reads and writes (before reading the files another way)."""
-        return self.failure.wait(lambda: self.reader.idle() and self.writer.idle(), f"{self.name} disk I/O")
+        """Wait for queued writes (before reading the files another way; reads ahead change nothing)."""
+        return self.failure.wait(self.writer.idle, f"{self.name} writes to disk")
 
     def close(self) -> None:
+        """Stop both threads, also when planned reads were never taken (training stopped mid-step)."""
+        self._closed = True
+        self.failure.notify()
         for worker in (self.reader, self.writer):
             worker.stop()
 
@@ -275,7 +289,9 @@ class Spill:
 
     def _read(self, key: Hashable) -> None:
         self.failure.wait(lambda: not self._writes.get(key), f"{self.name} write of {key!r} before re-reading it")
-        self.failure.wait(lambda: bool(self._free), f"a free {self.name} buffer")
+        self.failure.wait(lambda: bool(self._free) or self._closed, f"a free {self.name} buffer")
+        if self._closed:
+            return
         with self._lock:
             index = self._free.popleft()
         buffer = self.buffers[index]

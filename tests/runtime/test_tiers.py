@@ -1,0 +1,179 @@
+"""The disk tier trains exactly like the RAM tier, cleans up after itself, and refuses what cannot work."""
+
+import copy
+import errno
+import os
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightning_slide.planner as planner
+import lightning_slide.tiers as tiers
+from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
+from lightning_slide.planner import ModelShape, Plan, PlanError, Resources, Setup, fit_moments
+from lightning_slide.threads import Failure
+from lightning_slide.tiers import DiskTierError, Region, Spill, TierDirectory
+from tests.runtime.helpers import CausalLM, fit, param_groups, tiny_model, token_batches, trainer
+
+STEPS = 4
+
+
+@pytest.fixture(params=["kvikio", "posix"])
+def io_backend(request, monkeypatch):
+    """Both I/O paths: kvikio (CI installs it with a stand-in libcuda) and the POSIX fallback."""
+    if request.param == "posix":
+        monkeypatch.setattr(tiers, "_kvikio", lambda: None)
+    elif tiers._kvikio() is None:
+        pytest.skip("kvikio is not installed with a loadable libcuda.so.1 here (.ci/run installs both)")
+    return request.param
+
+
+def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _files(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+
+
+def test_moments_on_disk_give_the_same_parameters_as_the_ram_tier(io_backend, tmp_path):
+    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
+    in_ram = fit(model, batches, SlideStrategy(chunk_elems=1024), STEPS)
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0,
+                                                chunk_elems=1024), STEPS)
+    assert _same_parameters(in_ram.model, on_disk.model)
+
+
+def test_deferred_updates_with_part_of_the_moments_on_disk_match_the_ram_tier(io_backend, tmp_path):
+    """Clipping defers updates to forward order: the read-ahead order follows."""
+    model, batches = tiny_model("llama"), token_batches(STEPS * 2)
+    in_ram = fit(model, batches, "slideformer", STEPS, accumulate=2, clip=0.5)
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.5),
+                  STEPS, accumulate=2, clip=0.5)
+    assert _same_parameters(in_ram.model, on_disk.model)
+
+
+def test_resuming_a_disk_tier_checkpoint_equals_an_uninterrupted_run(tmp_path):
+    model, batches = tiny_model("qwen3"), token_batches(4)
+    strategy = dict(offload="nvme", nvme_path=str(tmp_path / "nvme"), nvme_moments=1.0)
+    straight = CausalLM(copy.deepcopy(model))
+    every_2 = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer(SlideStrategy(**strategy), 6, default_root_dir=tmp_path, enable_checkpointing=True,
+            callbacks=[every_2]).fit(straight, DataLoader(batches, batch_size=None))
+    resumed = CausalLM(tiny_model("qwen3", seed=7))  # other weights: everything must come from the file
+    trainer(SlideStrategy(**strategy), 6, default_root_dir=tmp_path).fit(
+        resumed, DataLoader(batches, batch_size=None), ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))
+    assert _same_parameters(straight.model, resumed.model)
+
+
+def test_disk_files_are_removed_after_training(tmp_path):
+    fit(tiny_model(), token_batches(2), SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0), 2)
+    assert _files(tmp_path) == []
+
+
+def test_disk_files_are_removed_after_an_exception(tmp_path):
+    class Failing(CausalLM):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                assert _files(tmp_path), "the tier's files should exist while training"
+                raise ValueError("injected failure in training_step")
+            return super().training_step(batch, batch_idx)
+
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0)
+    with pytest.raises(ValueError, match="injected failure"):
+        trainer(strategy, 3).fit(Failing(tiny_model()), DataLoader(token_batches(3), batch_size=None))
+    assert _files(tmp_path) == []
+
+
+def test_an_unwritable_nvme_path_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(blocker / "nvme"), nvme_moments=1.0)
+    with pytest.raises(DiskTierError, match="not a writable directory"):
+        trainer(strategy, 1).fit(CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+def test_a_disk_without_room_for_the_plan_is_refused_before_allocating(tmp_path, monkeypatch):
+    monkeypatch.setattr(planner, "available_disk", lambda path: 4096)
+    monkeypatch.setattr(tiers, "TierDirectory", None)  # nothing may be created on disk
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0)
+    with pytest.raises(PlanError, match="cannot fit this run in disk.*nvme_moments"):
+        trainer(strategy, 1).fit(CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+def test_a_disk_that_fills_up_while_preallocating_names_the_path_and_the_remedy(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(DiskTierError, match=f"{tmp_path}.*is full.*nvme_moments"):
+        TierDirectory(str(tmp_path)).create("moments.bin", 1 << 20)
+    assert _files(tmp_path) == []
+
+
+def test_a_short_read_is_an_error_naming_the_file(io_backend, tmp_path):
+    directory = TierDirectory(str(tmp_path))
+    file = directory.create("state.bin", 8192)
+    os.truncate(file.path, 4096)  # something else shortened it
+    with pytest.raises(DiskTierError, match=f"Short read of {file.path}"):
+        file.read(torch.empty(2048, dtype=torch.float32), 0)()
+    directory.close()
+
+
+def test_spill_reads_ahead_in_plan_order_and_writes_behind(io_backend, tmp_path):
+    directory, failure = TierDirectory(str(tmp_path)), Failure()
+    file = directory.create("data.bin", 4 * 4096)
+    spill = Spill("test", 2, 4096, False, failure)
+    spill.regions = {k: (Region(file, 4096 * k, 4096),) for k in range(4)}
+    values = {k: torch.randn(1024) for k in range(4)}
+    for k, v in values.items():
+        buffer = spill.acquire()
+        buffer.view(torch.float32).copy_(v)
+        spill.write_back(k, buffer)
+    spill.plan([2, 0, 3, 1])
+    for k in [2, 0, 3, 1]:
+        buffer = spill.take(k)
+        assert torch.equal(buffer.view(torch.float32), values[k])
+        spill.release(buffer)
+    spill.plan([1])
+    with pytest.raises(RuntimeError, match="out of the planned order"):
+        spill.take(3)
+    spill.close()
+    directory.close()
+
+
+def test_the_plan_counts_the_disk_tier_byte_for_byte(tmp_path):
+    model = tiny_model("qwen2-tied")
+    config = SlideConfig(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.6, chunk_elems=1024)
+    optimizer = torch.optim.AdamW(param_groups(model))
+    _, plan = planner.plan_for_run(model, optimizer, Setup(config, device="cpu", dtype=torch.float32))
+    engine = SlideEngine(model, optimizer, config, torch.device("cpu"), torch.float32)
+    assert plan.total("disk") == engine.tier.bytes > 0
+    buffers = sum(b.numel() for b in engine.moments.spill.buffers)
+    in_ram = sum(4 * (s.master.numel() + (0 if s.index in engine.moments.on_disk else 2 * s.trainable_numel))
+                 for s in engine.storages)
+    assert plan.total("ram") - _window_and_landing(plan) == in_ram + buffers
+    engine.close()
+
+
+def _window_and_landing(plan: Plan) -> int:
+    return sum(e.bytes for e in plan.entries if "slot" in e.what or "landing" in e.what)
+
+
+def test_the_auto_fraction_puts_on_disk_only_what_ram_cannot_hold():
+    model = tiny_model("llama")
+    shape = ModelShape.from_model(model, {id(p) for p in model.parameters()})
+    setup = Setup(SlideConfig(offload="nvme", chunk_elems=1024), device="cpu", dtype=torch.float32)
+    everything = Plan.static(shape, setup).total("ram")
+    assert fit_moments(shape, setup, Resources(ram=2 * everything)) == 0.0
+    tight = fit_moments(shape, setup, Resources(ram=int(everything * 0.8)))
+    assert 0 < tight < 1
+    config = SlideConfig(offload="nvme", nvme_moments=tight, chunk_elems=1024)
+    assert Plan.static(shape, Setup(config, device="cpu", dtype=torch.float32)).total("ram") <= 0.9 * 0.8 * everything
+
+
+def test_nvme_moments_without_the_disk_tier_is_a_clear_error():
+    with pytest.raises(ValueError, match="nvme_moments.*offload='nvme'"):
+        SlideConfig(nvme_moments=0.5)
