@@ -7,6 +7,7 @@ longer fits its time budget, so the cases a suite exists for come first.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from benchmarks import estimate
 from benchmarks.models import MODELS
@@ -23,6 +24,7 @@ SYSTEMS = {
 OFFLOAD_SYSTEMS = ("ds2", "ds3", "slide")
 NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder (the GPU machine has one virtio disk, no NVMe)
 Settings = tuple[tuple[str, object], ...]
+Grow = Literal["micro_batch", "seq_len"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Case:
     adam_params: int = 500_000_000
     slide_settings: Settings = ()  # SlideStrategy keyword arguments, e.g. (("h2d_source", "shadow"),)
     rungs: tuple[int, ...] = ()
-    grow: str = "micro_batch"
+    grow: Grow = "micro_batch"
     steps_per_rung: int = 2
     time_cap_s: float = 0.0
 
@@ -117,7 +119,7 @@ def make(system: str, model: str, micro_batch: int = 1, seq_len: int = 1024, cap
     return replace(case, est_s=round(est))
 
 
-def ladder(system: str, model: str, grow: str, rungs: tuple[int, ...], time_cap_s: float,
+def ladder(system: str, model: str, grow: Grow, rungs: tuple[int, ...], time_cap_s: float,
            cap_gib: float | None = 24.0, seq_len: int = 1024, slide_settings: Settings = (), **kw: object) -> Case:
     """A ladder case (`llama3_8b-cap24-slide-cpu-max-mb`), estimated as setup plus every rung, capped.
     The mb ladder runs at seq_len, the seq ladder at micro-batch 1."""
