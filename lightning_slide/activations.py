@@ -1,15 +1,23 @@
-"""Sliding activations: each unit keeps only its input for the backward, on the device or in pinned RAM.
+"""Sliding activations: each unit keeps only its input for the backward, on the device, in pinned RAM, or on disk.
 
-With `activations="cpu"` the input is copied out on the d2h lane right after the unit's forward and copied
-back on the h2d lane while the next-later unit runs its backward. Host buffers are pooled by position in
-the forward pass, so steady-state steps allocate no pinned memory.
+Off the device, the input is copied out on the d2h lane right after the unit's forward and copied back on
+the h2d lane while the next-later unit runs its backward. In RAM, host buffers are pooled by position in the
+forward pass, so steady-state steps allocate no pinned memory. On disk (offload="nvme"), a few pinned
+buffers stage each input on its way to its file region and back: writes go behind the forward, and when the
+backward starts every input is read ahead in the order the backward will want them.
 """
 
 from __future__ import annotations
 
+from typing import Hashable
+
 import torch
 
 from lightning_slide.streams import Lane
+from lightning_slide.threads import Failure
+from lightning_slide.tiers import Region, Spill, TierDirectory, align
+
+DISK_BUFFERS = 4  # pinned staging buffers of the disk path: in flight to or from the disk at once
 
 
 class _HostBuffer:
@@ -19,22 +27,28 @@ class _HostBuffer:
 
 
 class Saved:
-    """One saved input: either the device tensor itself or a host copy that comes back on demand."""
+    """One saved input: the device tensor itself, a host copy, or a disk region, that comes back on demand."""
 
-    def __init__(self, store: "ActivationStore", value: torch.Tensor | None, host: _HostBuffer | None, written) -> None:
-        self._store, self._host, self._written = store, host, written
+    def __init__(self, store: "ActivationStore", value: torch.Tensor | None = None, host: _HostBuffer | None = None,
+                 written: object = None, disk: tuple[Hashable, torch.Size, torch.dtype] | None = None) -> None:
+        self._store, self._host, self._written, self._disk = store, host, written, disk
         self._value = value
         self._arrived = None
 
     def prefetch(self) -> None:
-        if self._value is not None or self._host is None:
+        if self._value is not None or (self._host is None and self._disk is None):
             return
         store = self._store
-        self._value = torch.empty(self._host.tensor.shape, dtype=self._host.tensor.dtype, device=store.device)
+        source = self._host.tensor if self._host is not None else store.take_from_disk(*self._disk)
+        self._value = torch.empty(source.shape, dtype=source.dtype, device=store.device)
         with store.h2d():
             store.h2d.wait(self._written)
-            self._value.copy_(self._host.tensor, non_blocking=True)
-            self._arrived = self._host.read_done = store.h2d.record()
+            self._value.copy_(source, non_blocking=True)
+            self._arrived = store.h2d.record()
+        if self._host is not None:
+            self._host.read_done = self._arrived
+        else:
+            store.disk.release(source, self._arrived)
         store.bytes_in += self._value.numel() * self._value.element_size()
 
     def get(self) -> torch.Tensor:
@@ -45,48 +59,118 @@ class Saved:
 
 
 class ActivationStore:
-    """Decides per micro-batch where inputs wait: `mode` "device", "cpu", or "auto" (device while they fit)."""
+    """Decides per micro-batch where inputs wait: `mode` "device", "cpu", "nvme", or "auto" (device while they
+    fit, else the offload tier: disk with offload="nvme", pinned RAM otherwise)."""
 
-    def __init__(self, mode: str, device: torch.device, compute: Lane, h2d: Lane, d2h: Lane, saves: int) -> None:
-        self.mode, self.device, self.saves = mode, device, saves
+    def __init__(self, mode: str, device: torch.device, compute: Lane, h2d: Lane, d2h: Lane, saves: int,
+                 tier: TierDirectory | None = None, failure: Failure | None = None) -> None:
+        self.mode, self.device, self.saves, self.tier, self.failure = mode, device, saves, tier, failure
         self.compute, self.h2d, self.d2h = compute, h2d, d2h
-        self._pool: dict[int, _HostBuffer] = {}
-        self._offload: bool | None = None
+        self._pool: dict[Hashable, _HostBuffer] = {}
+        self._where: str | None = None
+        self.disk: Spill | None = None
+        self._region_bytes = 0
+        self._saved_keys: list[Hashable] = []
+        self._reading = False
+        self._disk_read = self._disk_written = 0
         self.bytes_out = self.bytes_in = 0
 
     def new_micro_batch(self) -> None:
-        self._offload = None
+        self._where = None
+        self._saved_keys.clear()
+        self._reading = False
 
-    def save(self, position: int, value: torch.Tensor) -> Saved:
-        if self._offload is None:
-            self._offload = self._decide(value)
-        if not (self._offload and value.is_floating_point()):
-            return Saved(self, value, None, None)
-        host = self._buffer(position, value)
+    def save(self, key: Hashable, value: torch.Tensor) -> Saved:
+        if self._where is None:
+            self._where = self._decide(value)
+        if self._where == "device" or not value.is_floating_point():
+            return Saved(self, value)
         produced = self.compute.record()
+        if self._where == "nvme":
+            return self._save_to_disk(key, value, produced)
+        host = self._buffer(key, value)
         with self.d2h():
             self.d2h.wait(produced)
             self.d2h.wait(host.read_done)
-            host.tensor.copy_(value, non_blocking=True)
-            if value.is_cuda:
-                value.record_stream(self.d2h.current())
-            written = self.d2h.record()
-        self.bytes_out += value.numel() * value.element_size()
-        return Saved(self, None, host, written)
+            written = self._copy_out(host.tensor, value)
+        return Saved(self, host=host, written=written)
 
-    def _decide(self, value: torch.Tensor) -> bool:
+    def _copy_out(self, dst: torch.Tensor, value: torch.Tensor) -> object:
+        dst.copy_(value, non_blocking=True)
+        if value.is_cuda:
+            value.record_stream(self.d2h.current())
+        self.bytes_out += value.numel() * value.element_size()
+        return self.d2h.record()
+
+    def _save_to_disk(self, key: Hashable, value: torch.Tensor, produced: object) -> Saved:
+        spill = self._disk_for(key, value)
+        raw = spill.acquire()
+        with self.d2h():
+            self.d2h.wait(produced)
+            written = self._copy_out(_as(raw, value.shape, value.dtype), value)
+        spill.write_back(key, raw, written)
+        self._saved_keys.append(key)
+        return Saved(self, disk=(key, value.shape, value.dtype))
+
+    def take_from_disk(self, key: Hashable, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The staged host copy of `key`, read ahead: the backward wants inputs in reverse order of saving."""
+        if not self._reading:
+            self._reading = True
+            self.disk.plan(reversed(self._saved_keys))
+        return _as(self.disk.take(key), shape, dtype)
+
+    def _disk_for(self, key: Hashable, value: torch.Tensor) -> Spill:
+        """The disk spill, (re)built when an input is larger than its regions; a file region per key."""
+        if self.disk is None or value.numel() * value.element_size() > self._region_bytes:
+            self._close_disk()
+            self._region_bytes = align(value.numel() * value.element_size())
+            self.disk = Spill("activations", DISK_BUFFERS, self._region_bytes, value.is_cuda, self.failure)
+        if key not in self.disk.regions:
+            index = len(self.disk.regions)
+            if index % self.saves == 0:  # one file per `saves` regions: enough for one forward pass
+                self._file = self.tier.create(f"activations-{index // self.saves}.bin", self.saves * self._region_bytes)
+            size = self._region_bytes  # whole regions: a later, smaller input of this key fits in it too
+            self.disk.regions[key] = (Region(self._file, (index % self.saves) * size, size),)
+        return self.disk
+
+    def _close_disk(self) -> None:
+        """Retire the spill and its files (a larger input needs larger regions)."""
+        if self.disk is not None:
+            self.disk.drain()
+            self.disk.close()
+            self._disk_read += self.disk.bytes_read
+            self._disk_written += self.disk.bytes_written
+            for file in {r.file for regions in self.disk.regions.values() for r in regions}:
+                self.tier.remove(file)
+            self.disk = None
+
+    def close(self) -> None:
+        self._close_disk()
+
+    @property
+    def disk_bytes(self) -> tuple[int, int]:
+        live = (self.disk.bytes_read, self.disk.bytes_written) if self.disk is not None else (0, 0)
+        return self._disk_read + live[0], self._disk_written + live[1]
+
+    def _decide(self, value: torch.Tensor) -> str:
         """"auto" keeps inputs on the GPU while all of them take at most half of what is left free there."""
+        offload = "nvme" if self.tier is not None else "cpu"
         if self.mode != "auto":
-            return self.mode == "cpu"
+            return self.mode
         if self.device.type != "cuda":
-            return False
+            return "device"
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(self.device)
         limit = torch.cuda.get_device_properties(self.device).total_memory * fraction
         needed = self.saves * value.numel() * value.element_size()
-        return needed > 0.5 * (limit - torch.cuda.memory_allocated(self.device))
+        return offload if needed > 0.5 * (limit - torch.cuda.memory_allocated(self.device)) else "device"
 
-    def _buffer(self, position: int, like: torch.Tensor) -> _HostBuffer:
-        buf = self._pool.get(position)
+    def _buffer(self, key: Hashable, like: torch.Tensor) -> _HostBuffer:
+        buf = self._pool.get(key)
         if buf is None or buf.tensor.shape != like.shape or buf.tensor.dtype != like.dtype:
-            buf = self._pool[position] = _HostBuffer(like, pin=like.is_cuda)
+            buf = self._pool[key] = _HostBuffer(like, pin=like.is_cuda)
         return buf
+
+
+def _as(raw: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A typed view of the front of a byte buffer."""
+    return raw[: shape.numel() * torch.empty(0, dtype=dtype).element_size()].view(dtype).view(shape)

@@ -16,7 +16,8 @@ class SlideConfig:
         "none" keeps everything on the compute device (plain training); "nvme" adds the disk tier.
     slots: GPU slots in the ring that decoder blocks slide through (>= 2: one computing, one loading).
     activations: where each unit's saved input waits for its backward: "device" (GPU memory), "cpu"
-        (pinned host RAM, copied out and prefetched back asynchronously), or "auto" (device).
+        (pinned host RAM, copied out and prefetched back asynchronously), "nvme" (files of the disk tier), or
+        "auto" (the device while all inputs take at most half the free GPU memory, else the offload tier).
     h2d_source: what a unit load reads from host memory. "master": the pinned fp32 master, cast to the
         compute dtype on the GPU (no extra RAM, 4 PCIe bytes/param); "shadow": a pinned bf16 copy the
         optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
@@ -32,7 +33,7 @@ class SlideConfig:
 
     offload: Offload = "cpu"
     slots: int = 3
-    activations: Literal["auto", "device", "cpu"] = "auto"
+    activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
     h2d_source: Literal["master", "shadow"] = "master"
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
@@ -44,7 +45,8 @@ class SlideConfig:
         checks = {
             "offload": self.offload in ("none", "cpu", "nvme"),
             "slots": self.slots >= 2,
-            "activations": self.activations in ("auto", "device", "cpu"),
+            "activations": self.activations in ("auto", "device", "cpu") or (
+                self.activations == "nvme" and self.offload == "nvme"),
             "h2d_source": self.h2d_source in ("master", "shadow"),
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
@@ -68,7 +70,7 @@ class SlideConfig:
 _HINTS = {
     "offload": "Choose 'cpu' (host RAM), 'nvme' (disk tier) or 'none' (everything on the GPU).",
     "slots": "The window needs at least 2 GPU slots (one computing, one loading).",
-    "activations": "Choose 'auto', 'device' or 'cpu'.",
+    "activations": "Choose 'auto', 'device', 'cpu', or 'nvme' together with offload='nvme'.",
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",

@@ -117,7 +117,7 @@ class _Call:
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         engine = self.engine
         slots = engine._enter(self.part, +1)
-        self.saved = [engine.activations.save(engine._tape_position, x.detach()) for x in inputs]
+        self.saved = [engine.activations.save((engine._tape_position, i), x.detach()) for i, x in enumerate(inputs)]
         self.autocast = _autocast_state(engine.device)
         self.rng = _rng_state(engine.device) if self.part.needs_rng else None
         out = engine._compute(self.part, slots, self.leaves, self.spec, {})
@@ -140,6 +140,7 @@ class _Call:
     def backward(self, grad_outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
         engine, part = self.engine, self.part
         slots = engine._enter(part, -1)
+        self.prefetch()  # own inputs first: saved inputs come back in exactly the reverse order of saving
         prev = self.prev() if self.prev is not None else None
         if prev is not None:
             prev.prefetch()
@@ -241,7 +242,8 @@ class SlideEngine:
         widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
         self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
                              self.failure, widen_on) if training else None
-        self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts))
+        self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
+                                          self.tier, self.failure)
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
         self._written: set[int] = set()
@@ -484,8 +486,8 @@ class SlideEngine:
             "wait_update_s": self.window.wait_s,
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
-            "disk_read_bytes": self.moments.disk_bytes[0],
-            "disk_write_bytes": self.moments.disk_bytes[1],
+            "disk_read_bytes": self.moments.disk_bytes[0] + self.activations.disk_bytes[0],
+            "disk_write_bytes": self.moments.disk_bytes[1] + self.activations.disk_bytes[1],
         }
 
     def close(self) -> None:
@@ -496,6 +498,7 @@ class SlideEngine:
             if worker is not None:
                 worker.stop()
         self.moments.close()
+        self.activations.close()
         if self.tier is not None:
             self.tier.close()
         for part in self.parts:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
+from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.tiers import align
@@ -196,8 +197,8 @@ class Plan:
         """
         tokens = micro_batch * seq_len
         acts = shape.saves * tokens * shape.hidden * setup.compute_bytes
-        offload = _offloads(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
-        batch = (*_activations(shape, setup, tokens, acts, offload), _workspace(shape, setup, tokens))
+        where = _saved_inputs_go(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
+        batch = (*_activations(shape, setup, tokens, acts, where), _workspace(shape, setup, tokens))
         return replace(self, entries=self.entries + tuple(e for e in batch if e.bytes > 0))
 
     @classmethod
@@ -237,11 +238,12 @@ class Plan:
                 f"{there}. Largest items: {largest}. To fit, change: " + "; or ".join(remedies) + ".")
 
 
-def _offloads(setup: Setup, acts: int, gpu_left: int | None) -> bool:
+def _saved_inputs_go(setup: Setup, acts: int, gpu_left: int | None) -> str:
     """The engine's `activations="auto"` rule: offload when the inputs take over half of the free GPU."""
     if setup.config.activations != "auto":
-        return setup.config.activations == "cpu"
-    return setup.cuda and gpu_left is not None and acts > 0.5 * gpu_left
+        return setup.config.activations
+    offload = setup.cuda and gpu_left is not None and acts > 0.5 * gpu_left
+    return ("nvme" if setup.config.offload == "nvme" else "cpu") if offload else "device"
 
 
 def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
@@ -318,16 +320,21 @@ def _transfer(shape: ModelShape, setup: Setup) -> list[Entry]:
     return entries
 
 
-def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, offload: bool) -> list[Entry]:
-    """activations.py: each part's input waits for its backward on the device, or in (pinned) host RAM."""
+def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where: str) -> list[Entry]:
+    """activations.py: each part's input waits for its backward on the device, in pinned RAM, or on disk."""
     hidden = tokens * shape.hidden * setup.compute_bytes
-    if not offload:
+    if where == "device":
         remedy = "activations='cpu' or a smaller micro_batch" if setup.cuda else "a smaller micro_batch"
         return [Entry(f"saved part inputs ({shape.saves})", setup.on_device, acts, remedy),
                 Entry("hidden states in flight", setup.on_device, 2 * hidden, "a smaller micro_batch")]
+    in_flight = Entry("hidden states in flight + prefetched inputs", setup.on_device, 4 * hidden, "a smaller micro_batch")
+    if where == "nvme":
+        return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk", shape.saves * align(hidden),
+                      "a smaller micro_batch or seq_len"),
+                Entry(f"disk staging buffers ({DISK_BUFFERS})", setup.pinned, DISK_BUFFERS * align(hidden),
+                      "a smaller micro_batch"), in_flight]
     return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
-                  "a smaller micro_batch or seq_len"),
-            Entry("hidden states in flight + prefetched inputs", setup.on_device, 4 * hidden, "a smaller micro_batch")]
+                  "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
 
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:

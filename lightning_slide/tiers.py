@@ -138,6 +138,11 @@ class TierDirectory:
         self.files.append(file)
         return file
 
+    def remove(self, file: "DiskFile") -> None:
+        file.close()
+        os.remove(file.path)
+        self.files.remove(file)
+
     @property
     def bytes(self) -> int:
         return sum(f.nbytes for f in self.files)

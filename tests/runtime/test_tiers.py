@@ -55,6 +55,24 @@ def test_deferred_updates_with_part_of_the_moments_on_disk_match_the_ram_tier(io
     assert _same_parameters(in_ram.model, on_disk.model)
 
 
+def test_activations_on_disk_give_the_same_parameters_as_on_the_device(io_backend, tmp_path):
+    model, batches = tiny_model("mistral"), token_batches(STEPS * 2)
+    on_device = fit(model, batches, "slideformer", STEPS, accumulate=2)
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), activations="nvme",
+                                                nvme_moments=0.0), STEPS, accumulate=2)
+    assert _same_parameters(on_device.model, on_disk.model)
+
+
+def test_larger_inputs_get_larger_disk_regions_and_the_old_files_go(tmp_path):
+    model = tiny_model("llama")
+    batches = [x[:, :n] for x, n in zip(token_batches(3), (6, 16, 9))]
+    on_device = fit(model, batches, "slideformer", 3)
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), activations="nvme", nvme_moments=0.0)
+    on_disk = fit(model, batches, strategy, 3)
+    assert _same_parameters(on_device.model, on_disk.model)
+    assert _files(tmp_path) == []
+
+
 def test_resuming_a_disk_tier_checkpoint_equals_an_uninterrupted_run(tmp_path):
     model, batches = tiny_model("qwen3"), token_batches(4)
     strategy = dict(offload="nvme", nvme_path=str(tmp_path / "nvme"), nvme_moments=1.0)
