@@ -8,10 +8,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _cos_sin(batch, seq, head_dim, device, dtype):
-    """HF's default rotary table: cos/sin of cat(freqs, freqs), shape [batch, seq, head_dim]."""
+    """HF's default rotary table: cos/sin of cat(freqs, freqs), shape [batch, seq, head_dim].
+
+    Each sequence starts at its own position (as with per-sequence position_ids), so a kernel that
+    read the wrong batch row of cos/sin would not match.
+    """
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    pos = torch.arange(seq, device=device).float() + 3  # an offset, as with a cache
-    emb = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1).expand(batch, seq, head_dim)
+    pos = torch.arange(seq, device=device).float() + 3 + 5 * torch.arange(batch, device=device)[:, None]
+    emb = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
