@@ -14,7 +14,9 @@ class SlideConfig:
 
     offload: "cpu" keeps fp32 master weights and Adam state in host RAM and streams units through the GPU;
         "none" keeps everything on the compute device (plain training); "nvme" adds the disk tier.
-    slots: GPU slots in the ring that decoder blocks slide through (>= 2: one computing, one loading).
+    slots: GPU weight slots in the ring that decoder blocks slide through (>= 2: one computing, one loading),
+        or "auto": start with 3 and, after the first step has shown the batch's peak memory, add as many as
+        the spare VRAM holds (up to one per block: blocks then stay resident from forward to backward).
     activations: where each unit's saved input waits for its backward: "device" (GPU memory), "cpu"
         (pinned host RAM, copied out and prefetched back asynchronously), "nvme" (files of the disk tier), or
         "auto" (the device while all inputs take at most half the free GPU memory, else the offload tier).
@@ -32,7 +34,7 @@ class SlideConfig:
     """
 
     offload: Offload = "cpu"
-    slots: int = 3
+    slots: int | Literal["auto"] = 3
     activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
     h2d_source: Literal["master", "shadow"] = "master"
     chunk_elems: int = 1 << 25
@@ -44,7 +46,7 @@ class SlideConfig:
     def __post_init__(self) -> None:
         checks = {
             "offload": self.offload in ("none", "cpu", "nvme"),
-            "slots": self.slots >= 2,
+            "slots": self.slots == "auto" or (isinstance(self.slots, int) and self.slots >= 2),
             "activations": self.activations in ("auto", "device", "cpu") or (
                 self.activations == "nvme" and self.offload == "nvme"),
             "h2d_source": self.h2d_source in ("master", "shadow"),
@@ -56,6 +58,10 @@ class SlideConfig:
         if bad:
             name = bad[0]
             raise ValueError(f"SlideConfig.{name}={getattr(self, name)!r} is not valid. {_HINTS[name]}")
+
+    @property
+    def initial_slots(self) -> int:
+        return 3 if self.slots == "auto" else self.slots
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "SlideConfig":
@@ -69,7 +75,7 @@ class SlideConfig:
 
 _HINTS = {
     "offload": "Choose 'cpu' (host RAM), 'nvme' (disk tier) or 'none' (everything on the GPU).",
-    "slots": "The window needs at least 2 GPU slots (one computing, one loading).",
+    "slots": "The window needs at least 2 GPU slots (one computing, one loading), or 'auto'.",
     "activations": "Choose 'auto', 'device', 'cpu', or 'nvme' together with offload='nvme'.",
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",

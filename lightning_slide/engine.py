@@ -29,12 +29,13 @@ from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, fin
 from lightning_slide.config import SlideConfig
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.moments import Moments, disk_units
+from lightning_slide.planner import available_vram
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import TierDirectory
 from lightning_slide.transfer import Dispatch, GradPump, LandingRing
-from lightning_slide.window import Slot, Window
+from lightning_slide.window import GradBuffer, Slot, Window
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class _PartFunction(torch.autograd.Function):
         return (None, None, *ctx.call.backward(grads))
 
 
+VRAM_HEADROOM = 0.1  # of the usable GPU memory, kept free when slots="auto" grows the window
 _TENSOR = object()  # marks where an output tensor goes when a call's output structure is rebuilt
 
 
@@ -160,7 +162,7 @@ class _Call:
         grads = torch.autograd.grad(
             [o for o, _ in pairs], [*inputs, *weights.values()], [g for _, g in pairs], allow_unused=True
         )
-        engine._store_grads(part, slots, trainable, grads[len(inputs) :])
+        engine._store_grads(part, trainable, grads[len(inputs) :])
         engine._leave(part, slots, -1)
         self.saved, self.leaves = [], []
         return list(grads[: len(inputs)])
@@ -236,8 +238,8 @@ class SlideEngine:
         on_disk = disk_units([s.trainable_numel for s in self.storages], config.nvme_moments or 0.0) if self.tier and training else []
         self.moments = Moments(self.storages, on_disk, self.tier, chunk, self.failure)
         self.adam = LayerAdam(self.storages, self.moments, self.failure)
-        self.window = Window(self.storages, [s.dedicated for s in specs], config.slots, dtype, device, self.h2d,
-                             self.adam, training, config.chunk_elems)
+        self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
+                             self.h2d, self.adam, training, config.chunk_elems)
         pin = device.type == "cuda"
         widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
         self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
@@ -247,7 +249,7 @@ class SlideEngine:
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
         self._written: set[int] = set()
-        self._receiving: set[int] = set()
+        self._receiving: dict[int, GradBuffer] = {}
         self._plan: StepPlan | None = None
         self._dispatched = 0
         self._step = 0
@@ -345,7 +347,7 @@ class SlideEngine:
         done = self.compute.record()
         for slot in slots.values():
             slot.params_free = done
-        ahead = range(part.unit + direction, part.unit + direction * self.config.slots, direction)
+        ahead = range(part.unit + direction, part.unit + direction * (self.window.lookahead + 1), direction)
         protect = set(part.owners)
         for u in (u for u in ahead if 0 <= u < len(self.storages)):
             protect.add(u)
@@ -357,16 +359,14 @@ class SlideEngine:
             args, kwargs = tree_unflatten(leaves, spec)
             return part.forward(*args, **kwargs)
 
-    def _store_grads(
-        self, part: Part, slots: dict[int, Slot], bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]
-    ) -> None:
+    def _store_grads(self, part: Part, bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]) -> None:
         for u in part.trainable_owners:
             if u not in self._receiving:
-                self._receiving.add(u)
-                self.wait_grads_s += self.failure.wait(slots[u].grads_idle.is_set, "a free gradient slot")
-                self.compute.wait(slots[u].grads_free)
+                buffer = self._receiving[u] = self.window.grads_for(u)
+                self.wait_grads_s += self.failure.wait(buffer.idle.is_set, "a free gradient buffer")
+                self.compute.wait(buffer.free)
         for b, g in zip(bindings, grads):
-            dst = b.view(slots[b.owner].grads)
+            dst = b.view(self._receiving[b.owner].grads)
             first = id(b.param) not in self._written
             self._written.add(id(b.param))
             if g is None:
@@ -379,20 +379,20 @@ class SlideEngine:
         for u in part.trainable_owners:
             self._pending[u] -= 1
             if self._pending[u] == 0:
-                self._dispatch(u, slots[u])
+                self._dispatch(u)
 
-    def _dispatch(self, unit: int, slot: Slot) -> None:
+    def _dispatch(self, unit: int) -> None:
         """A unit's gradient is complete: send it to the optimizer (update now, or accumulate)."""
         storage = self.storages[unit]
         update = self._plan is not None and not self.deferred
         if update:
             self.adam.schedule(unit)
             self._dispatched += 1
-        slot.grads_idle.clear()
-        self._receiving.discard(unit)
+        buffer = self._receiving.pop(unit)
+        buffer.idle.clear()
         self._written.difference_update(id(p) for p in storage.params)
-        self.pump.put(Dispatch(unit, slot.grads[: storage.trainable_numel], self.compute.record(), self._plan,
-                               self.needs_acc, update, slot.release_grads))
+        self.pump.put(Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), self._plan,
+                               self.needs_acc, update, buffer.release))
 
     # ------------------------------------------------------------------------------ the step protocol
     def new_micro_batch(self) -> None:
@@ -426,6 +426,21 @@ class SlideEngine:
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan)
+        if self._step == 1 and self.config.slots == "auto":
+            self._adapt_window()
+
+    def _adapt_window(self) -> None:
+        """slots="auto": the first step showed this batch's peak memory; spend what is spare on block slots.
+
+        More resident blocks mean fewer loads: a block that stays in its slot from its forward to its
+        backward is read from host memory once per step instead of twice.
+        """
+        missing = self.window.blocks - len(self.window.ring)
+        if self.device.type == "cuda" and missing > 0:
+            limit = available_vram(self.device) + torch.cuda.memory_allocated(self.device)
+            spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
+            missing = min(missing, int(spare // max(self.window.slot_bytes, 1)))
+        self.window.grow(missing)
 
     def _launch_deferred(self, plan: StepPlan) -> None:
         """All gradients summed on the host: clip by the global norm, then update in forward order."""

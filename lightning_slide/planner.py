@@ -23,6 +23,7 @@ from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.tiers import align
+from lightning_slide.window import GRAD_BUFFERS
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
@@ -299,9 +300,13 @@ def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
     slots = [Entry(f"{u.name} slot (weights{' + grads' if setup.training else ''})", setup.on_device,
                    u.numel * per_elem) for u in shape.units if u.dedicated]
     block = max((u.numel for u in shape.units if not u.dedicated), default=0)
-    slots.append(Entry(f"ring: {setup.config.slots} block slots", setup.on_device,
-                       setup.config.slots * block * per_elem, f"slots={setup.config.slots - 1}"
-                       if setup.config.slots > 2 else ""))
+    ring = setup.config.initial_slots
+    grows = " (slots='auto': grows into spare VRAM after step 1)" if setup.config.slots == "auto" else ""
+    slots.append(Entry(f"ring: {ring} block weight slots{grows}", setup.on_device, ring * block * setup.compute_bytes,
+                       f"slots={ring - 1}" if ring > 2 else ""))
+    if setup.training:
+        slots.append(Entry(f"{GRAD_BUFFERS} block gradient buffers", setup.on_device,
+                           GRAD_BUFFERS * block * setup.compute_bytes))
     if setup.cuda and setup.low_precision and setup.config.h2d_source == "master":
         staging = min(setup.config.chunk_elems, max(u.numel for u in shape.units))
         slots.append(Entry("fp32 load staging", "gpu", 4 * staging, "a smaller chunk_elems"))

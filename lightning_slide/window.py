@@ -1,9 +1,13 @@
-"""The GPU window: a fixed ring of pre-allocated slots that decoder blocks slide through.
+"""The GPU window: a ring of pre-allocated weight slots that decoder blocks slide through, and a few
+gradient buffers.
 
-A slot holds one unit's weights and its gradient, both in the compute dtype. The vocabulary-sized units
-(embedding, head) get a dedicated slot each, so ring slots are sized to a decoder block. Nothing is
-allocated after construction; a load is one pinned-host-to-device copy (plus an on-device cast from the
-fp32 master) on the h2d lane, ordered by events against the compute that last read the slot.
+A slot holds one unit's weights in the compute dtype. The vocabulary-sized units (embedding, head) get a
+dedicated slot each, so ring slots are sized to a decoder block. Gradients need a buffer only from a unit's
+backward until its gradient has left for the host, so a small ring of gradient buffers serves every block
+(and the ring of weight slots can grow to hold every block without doubling for gradients). A load is one
+pinned-host-to-device copy (plus an on-device cast from the fp32 master) on the h2d lane, ordered by events
+against the compute that last read the slot. Nothing is allocated after warm-up: with slots="auto" the ring
+grows once, after the first step has shown the batch's peak memory.
 """
 
 from __future__ import annotations
@@ -17,21 +21,28 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 
+GRAD_BUFFERS = 3  # block gradients in flight: being written, leaving the GPU, and one spare
+
+
 class Slot:
-    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device, with_grads: bool) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.params = torch.empty(capacity, dtype=dtype, device=device)
-        self.grads = torch.empty(capacity, dtype=dtype, device=device) if with_grads else None
         self.unit: int | None = None
         self.version = -1
         self.loaded = None  # h2d event: weights are in
         self.params_free = None  # compute event: the last reader of the weights has run
-        self.grads_free = None  # d2h event: the last gradient has left
-        self.grads_idle = threading.Event()
-        self.grads_idle.set()
 
-    def release_grads(self, event: object) -> None:
-        self.grads_free = event
-        self.grads_idle.set()
+
+class GradBuffer:
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.grads = torch.empty(capacity, dtype=dtype, device=device)
+        self.free = None  # d2h event: the last gradient has left
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def release(self, event: object) -> None:
+        self.free = event
+        self.idle.set()
 
 
 class Window:
@@ -47,15 +58,36 @@ class Window:
         with_grads: bool,
         staging_elems: int,
     ) -> None:
-        self.storages, self.h2d, self.adam, self.dtype = storages, h2d, adam, dtype
-        self.dedicated = {i: Slot(s.numel, dtype, device, with_grads) for i, s in enumerate(storages) if dedicated[i]}
-        capacity = max((s.numel for i, s in enumerate(storages) if not dedicated[i]), default=0)
-        self.ring = [Slot(capacity, dtype, device, with_grads) for _ in range(slots)]
+        self.storages, self.h2d, self.adam, self.dtype, self.device = storages, h2d, adam, dtype, device
+        self.dedicated = {i: Slot(s.numel, dtype, device) for i, s in enumerate(storages) if dedicated[i]}
+        self.capacity = max((s.numel for i, s in enumerate(storages) if not dedicated[i]), default=0)
+        self.blocks = sum(not d for d in dedicated)
+        self.ring = [Slot(self.capacity, dtype, device) for _ in range(slots)]
+        self.lookahead = slots - 1  # units loaded ahead of the pass (a grown ring keeps the same distance)
+        self.grad_buffers = {i: GradBuffer(storages[i].numel, dtype, device) for i in self.dedicated} if with_grads else {}
+        self.grad_ring = [GradBuffer(self.capacity, dtype, device) for _ in range(GRAD_BUFFERS)] if with_grads else []
+        self._next_grads = 0
         needs_cast = device.type == "cuda" and dtype != torch.float32 and storages[0].shadow is None
         largest = max(s.numel for s in storages)
         self.staging = torch.empty(min(staging_elems, largest), device=device) if needs_cast else None
         self.bytes = 0
         self.wait_s = 0.0
+
+    def grads_for(self, unit: int) -> GradBuffer:
+        """The buffer `unit`'s gradient is written into (blocks take the ring's buffers in backward order)."""
+        if unit in self.grad_buffers:
+            return self.grad_buffers[unit]
+        buffer = self.grad_ring[self._next_grads]
+        self._next_grads = (self._next_grads + 1) % len(self.grad_ring)
+        return buffer
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.capacity * self.ring[0].params.element_size() if self.ring else 0
+
+    def grow(self, count: int) -> None:
+        """Add `count` block slots (slots="auto", once): more blocks stay resident between their passes."""
+        self.ring += [Slot(self.capacity, self.dtype, self.device) for _ in range(max(0, min(count, self.blocks - len(self.ring))))]
 
     def holding(self, unit: int) -> Slot | None:
         if unit in self.dedicated:

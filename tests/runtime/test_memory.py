@@ -6,7 +6,9 @@ import torch
 
 from lightning_slide import SlideConfig, SlideEngine
 from lightning_slide.engine import _Call
-from tests.runtime.helpers import param_groups, tiny_model, token_batches
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.runtime.helpers import _SHAPE, param_groups, tiny_model, token_batches
 
 
 def _live_calls() -> int:
@@ -36,21 +38,35 @@ def test_landing_buffers_are_no_larger_than_the_largest_unit():
     engine.close()
 
 
-def _loaded_bytes_per_step(slots: int) -> int:
-    model = tiny_model("llama")
+def _deep_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**_SHAPE, "num_hidden_layers": 6}))
+
+
+def _loaded_bytes_per_step(slots: int | str, steps: int = 1) -> int:
+    """Bytes loaded into the window during the last of `steps` steps, for a 6-block Llama."""
+    model = _deep_llama()
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(slots=slots), torch.device("cpu"),
                          torch.float32)
-    x = token_batches(1)[0]
-    engine.new_micro_batch()
-    engine.begin_step()
-    model(input_ids=x, labels=x).loss.backward()
-    engine.end_step()
-    loaded = engine.stats()["h2d_bytes"]
+    for x in token_batches(steps):
+        before = engine.stats()["h2d_bytes"]
+        engine.new_micro_batch()
+        engine.begin_step()
+        model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+    loaded = engine.stats()["h2d_bytes"] - before
     engine.close()
     return loaded
 
 
 def test_a_window_as_large_as_the_model_loads_each_unit_once_per_step():
-    blocks_and_vocab_units = sum(p.numel() for p in tiny_model("llama").parameters()) * 4
+    blocks_and_vocab_units = sum(p.numel() for p in _deep_llama().parameters()) * 4
     assert _loaded_bytes_per_step(slots=8) == blocks_and_vocab_units
     assert _loaded_bytes_per_step(slots=2) > blocks_and_vocab_units
+
+
+def test_an_auto_window_grows_after_the_first_step_until_each_unit_loads_once_per_step():
+    """On the CPU nothing limits it: every block gets a slot (on CUDA, as many as the spare VRAM holds)."""
+    blocks_and_vocab_units = sum(p.numel() for p in _deep_llama().parameters()) * 4
+    assert _loaded_bytes_per_step(slots="auto", steps=1) > blocks_and_vocab_units
+    assert _loaded_bytes_per_step(slots="auto", steps=2) == blocks_and_vocab_units

@@ -30,7 +30,9 @@ def _engine_bytes(engine: SlideEngine) -> int:
     """Every buffer the engine allocated at construction: host state, slots, landing ring."""
     state = [t for s in engine.storages
              for t in (s.master, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.shadow, s.grad_acc)]
-    slots = [t for slot in [*engine.window.ring, *engine.window.dedicated.values()] for t in (slot.params, slot.grads)]
+    window = engine.window
+    slots = [s.params for s in [*window.ring, *window.dedicated.values()]] + [
+        b.grads for b in [*window.grad_ring, *window.grad_buffers.values()]]
     landing = engine.pump.ring.buffers if engine.pump else []
     return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing] if t is not None)
 
