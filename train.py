@@ -40,7 +40,9 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     c = OmegaConf.to_container(cfg, resolve=True)
     L.seed_everything(c["seed"])
     tokenizer = load_tokenizer(c["model"]["pretrained"])
-    module = CausalLMModule(build_model(c["model"]["name"], c["model"]["pretrained"]), **c["optim"])
+    sliding = c["offload"]["offload"] != "none"  # the engine fills meta placeholders unit by unit
+    model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)
+    module = CausalLMModule(model, **c["optim"])
     trainer = L.Trainer(
         **{**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},
         strategy=make_strategy(c["offload"]),

@@ -28,6 +28,7 @@ from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.config import SlideConfig
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
+from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units
 from lightning_slide.planner import available_vram
 from lightning_slide.storage import UnitStorage
@@ -227,6 +228,7 @@ class SlideEngine:
         group_of = _group_index(optimizer, root) if optimizer is not None else {}
         owner, owned = _ownership(specs)
         self.storages = [UnitStorage(i, spec.name, owned[i], group_of) for i, spec in enumerate(specs)]
+        materialize_(self.model, [spec.parts for spec in specs], set().union(*(s.placeholders for s in self.storages)))
         self.parts = [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
         self._add_host_state(optimizer)
         self._move_buffers(root)

@@ -6,10 +6,12 @@ architecture (random weights) without a download; real weights come only from a 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
@@ -18,6 +20,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from lightning_slide.materialize import meta_parameters
 
 
 def _llama3_rope(factor: float) -> dict:
@@ -146,19 +150,34 @@ def build_model(
     name_or_config: str | PretrainedConfig,
     pretrained: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
+    meta: bool = False,
 ) -> PreTrainedModel:
     """A causal LM with fp32 weights on the CPU (the runtime keeps its master copy there).
 
     `pretrained` (a local folder written by `save_pretrained`) wins over the name: its config and weights
     are loaded without touching the network. Otherwise the named (or given) config gets random weights.
+    `meta=True` (for the slideformer strategy) builds placeholders instead, which its engine fills unit by
+    unit from that folder or with random init, straight into its flat storage (see `materialize.py`).
     Either way the model comes back in train mode, ready to fine-tune (`from_pretrained` returns eval mode).
     """
-    if pretrained is not None:
-        folder = Path(pretrained).expanduser()
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"model.pretrained={str(pretrained)!r} is not a local Hugging Face model folder "
-                                    "(no config.json there). Point it at a folder written by save_pretrained, "
-                                    "or drop model.pretrained to train the named architecture from scratch.")
+    folder = None if pretrained is None else _checkpoint_folder(pretrained)
+    if folder is not None and not meta:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).train()
-    config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if folder is not None:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    else:
+        config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    with meta_parameters() if meta else nullcontext():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if folder is not None:
+        model.config.name_or_path = str(folder)
+    return model.train()
+
+
+def _checkpoint_folder(pretrained: str | Path) -> Path:
+    folder = Path(pretrained).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model.pretrained={str(pretrained)!r} is not a local Hugging Face model folder "
+                                "(no config.json there). Point it at a folder written by save_pretrained, "
+                                "or drop model.pretrained to train the named architecture from scratch.")
+    return folder

@@ -71,10 +71,19 @@ class UnitStorage:
         self.grad_acc: torch.Tensor | None = None
 
     def _adopt(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Copy parameters into one buffer and repoint them at it; frees each original as it goes."""
+        """Copy parameters into one buffer and repoint them at it; frees each original as it goes.
+
+        A meta-device parameter (a placeholder, see `materialize.py`) becomes a view of uninitialised
+        master memory, keeping its identity (the optimizer already holds it); it is listed in `placeholders`.
+        """
         master = torch.empty(self.numel, dtype=torch.float32)
+        self.placeholders: set[int] = set()
         for p in params:
             view = self.view(master, p)
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+                self.placeholders.add(id(p))
+                continue
             with torch.no_grad():
                 view.copy_(p.detach().reshape(view.shape))
             p.data = view

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Generator, Mapping
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -28,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
+from lightning_slide.materialize import meta_parameters
 from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
 from lightning_slide.tiers import backend_name
@@ -178,8 +178,13 @@ class SlideStrategy(SingleDeviceStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Build models on the CPU in fp32: they become the host master weights."""
-        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+        """Build models on the CPU in fp32: they become the host master weights.
+
+        With `trainer.init_module(empty_init=True)` parameters are meta-device placeholders instead: the
+        engine fills them unit by unit, straight into its flat storage, from the local checkpoint folder in
+        `model.config.name_or_path` or with the model's initialiser (the model never exists twice in RAM).
+        """
+        with meta_parameters() if empty_init else nullcontext(), torch.device("cpu"):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
