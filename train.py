@@ -1,4 +1,4 @@
-"""Fine-tune a causal LM on one device: `python train.py [model=llama3_8b] [offload=cpu|none] [data=jsonl ...]`.
+"""Fine-tune a causal LM on one device: `python train.py [model=llama3_8b] [offload=cpu|nvme|none] [data=jsonl ...]`.
 
 Writes into the Hydra run dir: CSV and TensorBoard logs, checkpoints/, and hf_model/ (save_pretrained).
 """

@@ -110,17 +110,23 @@ def test_bad_value_names_the_setting(tmp_path):
         train(config("offload=none", "data.seq_len=0"), tmp_path)
 
 
-def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tmp_path):
+@pytest.mark.parametrize("tier", [["offload=none"], ["offload=nvme", "offload.nvme_moments=0.5"]], ids=["none", "nvme"])
+def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tier, tmp_path):
+    """With the sliding runtime the model is built on meta and filled from the folder, unit by unit."""
     pretrained = tmp_path / "pretrained"
     build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(pretrained)
     byte_tokenizer().save_pretrained(pretrained)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Q{i}? ", "response": f"A{i * i}."}) + "\n" for i in range(40)))
-    cfg = config("offload=none", f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}",
+    nvme = tmp_path / "nvme"
+    cfg = config(*tier, f"+offload.nvme_path={nvme}" if "offload=nvme" in tier else "seed=0",
+                 f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}",
                  "data.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=4")
-    train(cfg, tmp_path / "run")
+    trainer = train(cfg, tmp_path / "run")
     tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf_model", local_files_only=True)
     assert tuned.config.num_hidden_layers == 1
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    assert not nvme.exists() or not any(nvme.iterdir())
 
 
 def test_bad_offload_setting_is_refused_by_the_strategy(tmp_path):
