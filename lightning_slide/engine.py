@@ -228,7 +228,8 @@ class SlideEngine:
         group_of = _group_index(optimizer, root) if optimizer is not None else {}
         owner, owned = _ownership(specs)
         self.storages = [UnitStorage(i, spec.name, owned[i], group_of) for i, spec in enumerate(specs)]
-        materialize_(self.model, [spec.parts for spec in specs], set().union(*(s.placeholders for s in self.storages)))
+        materialize_(self.model, [spec.parts for spec in specs], set().union(*(s.placeholders for s in self.storages)),
+                     device)
         self.parts = [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
         self._add_host_state(optimizer)
         self._move_buffers(root)

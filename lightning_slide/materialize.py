@@ -72,10 +72,12 @@ class CheckpointReader:
         dst.copy_(tensor)
 
 
-def materialize_(model: nn.Module, units: list[list[nn.Module]], placeholders: set[int]) -> None:
+def materialize_(model: nn.Module, units: list[list[nn.Module]], placeholders: set[int],
+                 device: torch.device) -> None:
     """Give every parameter in `placeholders` (ids of ex-meta parameters, now master views) its value.
 
     Unit by unit, so a checkpoint's shards are read once each and nothing is staged beside the master.
+    Random init runs on `device` one module at a time (CPU `normal_` would take minutes for a 14B model).
     """
     if not placeholders:
         return
@@ -87,17 +89,29 @@ def materialize_(model: nn.Module, units: list[list[nn.Module]], placeholders: s
         for modules in units:
             for module in modules:
                 for sub in module.modules():
-                    _fill(model, sub, reader, names, placeholders)
+                    _fill(model, sub, reader, names, placeholders, device)
 
 
 def _fill(model: nn.Module, module: nn.Module, reader: CheckpointReader | None, names: dict[int, str],
-          placeholders: set[int]) -> None:
-    params = [p for p in module.parameters(recurse=False) if id(p) in placeholders]
+          placeholders: set[int], device: torch.device) -> None:
+    params = {name: p for name, p in module._parameters.items() if p is not None and id(p) in placeholders}
     if not params:
         return
     if reader is not None:
-        for p in params:
+        for p in params.values():
             reader.read_into(names[id(p)], p.data)
     else:
+        _initialise(model, module, params, device)
+    placeholders.difference_update(id(p) for p in params.values())
+
+
+def _initialise(model: nn.Module, module: nn.Module, params: dict[str, nn.Parameter], device: torch.device) -> None:
+    """The model's own `_init_weights` on stand-ins on `device`, copied into the master views."""
+    stand_ins = {name: nn.Parameter(torch.empty_like(p, device=device)) for name, p in params.items()}
+    module._parameters.update(stand_ins)
+    try:
         model._init_weights(module)
-    placeholders.difference_update(id(p) for p in params)
+        for name, p in params.items():
+            p.data.copy_(stand_ins[name].data)
+    finally:
+        module._parameters.update(params)

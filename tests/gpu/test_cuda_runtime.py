@@ -1,6 +1,5 @@
 """The runtime on a real GPU: streams, pinned memory, kernels; same answers, no allocation after warm-up."""
 
-import copy
 
 import pytest
 import torch
@@ -21,6 +20,22 @@ def test_fp32_on_cuda_matches_adamw_without_kernels():
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096), dict(slots="auto")],
+    ids=["disk-tier", "auto-window"],
+)
+def test_every_tier_and_window_on_cuda_gives_the_cpu_tiers_parameters(settings, tmp_path):
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama", num_hidden_layers=6), token_batches(STEPS * 2)
+    base = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, accumulate=2, accelerator="gpu")
+    if settings.get("offload") == "nvme":
+        settings = {**settings, "nvme_path": str(tmp_path)}
+    other = fit(model, batches, SlideStrategy(use_kernels=False, **settings), STEPS, accumulate=2, accelerator="gpu")
+    assert all(torch.equal(p, q) for p, q in zip(base.model.parameters(), other.model.parameters()))
+
+
 @pytest.mark.parametrize("activations", ["device", "cpu"])
 def test_bf16_on_cuda_with_kernels_stays_within_bf16_noise(activations):
     from lightning_slide import SlideStrategy
@@ -33,11 +48,12 @@ def test_bf16_on_cuda_with_kernels_stays_within_bf16_noise(activations):
     assert relative_difference(fp32, ours.model, per_tensor_limit=0.1) <= max(2 * noise, 1e-3)
 
 
-@pytest.mark.parametrize("activations", ["device", "cpu"])
-def test_no_device_allocation_after_warm_up(activations):
-    model = copy.deepcopy(tiny_model("llama"))
+@pytest.mark.parametrize("settings", [dict(activations="device"), dict(activations="cpu"), dict(slots="auto")],
+                         ids=["device", "cpu", "auto-window"])
+def test_no_device_allocation_after_warm_up(settings):
+    model = tiny_model("llama", num_hidden_layers=6)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
-    engine = SlideEngine(model, opt, SlideConfig(activations=activations), torch.device("cuda"), torch.bfloat16)
+    engine = SlideEngine(model, opt, SlideConfig(**settings), torch.device("cuda"), torch.bfloat16)
     batches = [x.cuda() for x in token_batches(6)]
 
     def step(x):

@@ -24,16 +24,18 @@ VOCAB, SEQ = 97, 16
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
 ARCHS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_SHAPE, tie_word_embeddings=False)),
-    "qwen2-tied": lambda: Qwen2ForCausalLM(Qwen2Config(**_SHAPE, tie_word_embeddings=True)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**_SHAPE, tie_word_embeddings=False, sliding_window=None)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_SHAPE, head_dim=8, tie_word_embeddings=True)),
+    "llama": lambda **kw: LlamaForCausalLM(LlamaConfig(**{**_SHAPE, **kw}, tie_word_embeddings=False)),
+    "qwen2-tied": lambda **kw: Qwen2ForCausalLM(Qwen2Config(**{**_SHAPE, **kw}, tie_word_embeddings=True)),
+    "mistral": lambda **kw: MistralForCausalLM(MistralConfig(**{**_SHAPE, **kw}, tie_word_embeddings=False,
+                                                             sliding_window=None)),
+    "qwen3": lambda **kw: Qwen3ForCausalLM(Qwen3Config(**{**_SHAPE, **kw}, head_dim=8, tie_word_embeddings=True)),
 }
 
 
-def tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
+def tiny_model(arch: str = "llama", seed: int = 0, **shape: object) -> torch.nn.Module:
+    """A randomly initialised tiny model of a real architecture; `shape` overrides config fields."""
     torch.manual_seed(seed)
-    return ARCHS[arch]()
+    return ARCHS[arch](**shape)
 
 
 def token_batches(count: int, batch: int = 2, seed: int = 1) -> list[torch.Tensor]:

@@ -6,9 +6,7 @@ import torch
 
 from lightning_slide import SlideConfig, SlideEngine
 from lightning_slide.engine import _Call
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from tests.runtime.helpers import _SHAPE, param_groups, tiny_model, token_batches
+from tests.runtime.helpers import param_groups, tiny_model, token_batches
 
 
 def _live_calls() -> int:
@@ -38,14 +36,9 @@ def test_landing_buffers_are_no_larger_than_the_largest_unit():
     engine.close()
 
 
-def _deep_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**_SHAPE, "num_hidden_layers": 6}))
-
-
 def _loaded_bytes_per_step(slots: int | str, steps: int = 1) -> int:
     """Bytes loaded into the window during the last of `steps` steps, for a 6-block Llama."""
-    model = _deep_llama()
+    model = tiny_model("llama", num_hidden_layers=6)
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(slots=slots), torch.device("cpu"),
                          torch.float32)
     for x in token_batches(steps):
@@ -60,13 +53,13 @@ def _loaded_bytes_per_step(slots: int | str, steps: int = 1) -> int:
 
 
 def test_a_window_as_large_as_the_model_loads_each_unit_once_per_step():
-    blocks_and_vocab_units = sum(p.numel() for p in _deep_llama().parameters()) * 4
+    blocks_and_vocab_units = sum(p.numel() for p in tiny_model("llama", num_hidden_layers=6).parameters()) * 4
     assert _loaded_bytes_per_step(slots=8) == blocks_and_vocab_units
     assert _loaded_bytes_per_step(slots=2) > blocks_and_vocab_units
 
 
 def test_an_auto_window_grows_after_the_first_step_until_each_unit_loads_once_per_step():
     """On the CPU nothing limits it: every block gets a slot (on CUDA, as many as the spare VRAM holds)."""
-    blocks_and_vocab_units = sum(p.numel() for p in _deep_llama().parameters()) * 4
+    blocks_and_vocab_units = sum(p.numel() for p in tiny_model("llama", num_hidden_layers=6).parameters()) * 4
     assert _loaded_bytes_per_step(slots="auto", steps=1) > blocks_and_vocab_units
     assert _loaded_bytes_per_step(slots="auto", steps=2) == blocks_and_vocab_units
