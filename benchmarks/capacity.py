@@ -1,9 +1,11 @@
 """The capacity run: full-parameter AdamW (fp32 master and moments) of a model too big for this box's RAM,
-with part of the moments on disk, under a 24 GiB GPU cap.
+with part of the moments on disk, under a 24 GiB GPU cap; also any model/tier, to set measured peaks next
+to the planner's prediction.
 
     python -m benchmarks.capacity --model qwen3_14b --steps 3 --micro-batch 8 --out $OUT
+    python -m benchmarks.capacity --model llama3_8b --nvme-moments 0.1 --activations nvme --out $OUT
 
-Writes `capacity-<model>.json`: step times, tokens/s, the planner's prediction of what lives where next to
+Writes `capacity-<model>-<offload>.json`: step times, tokens/s, the planner's prediction of what lives where next to
 the measured peaks (host RSS polled every 0.2 s, VRAM allocated/reserved, bytes of the disk tier's files),
 the engine's transfer and disk counters, and the machine. The model is built on the meta device and
 filled unit by unit straight into the engine's storage (random init on the GPU), so it never exists twice.
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--offload", default="nvme", choices=["cpu", "nvme"])
+    parser.add_argument("--activations", default="auto", choices=["auto", "device", "cpu", "nvme"])
     parser.add_argument("--nvme-path", default="/tmp/lsbench-nvme")
     parser.add_argument("--nvme-moments", type=float, default=None, help="default: the least that fits RAM")
     parser.add_argument("--out", default=".")
@@ -98,7 +102,8 @@ def main() -> None:
     tokens = torch.randint(0, vocab, (args.steps * args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     data = DataLoader([{"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t} for t in tokens],
                       batch_size=args.micro_batch)
-    strategy = SlideStrategy(offload="nvme", nvme_path=str(folder), nvme_moments=args.nvme_moments, slots="auto")
+    disk = dict(nvme_path=str(folder), nvme_moments=args.nvme_moments) if args.offload == "nvme" else {}
+    strategy = SlideStrategy(offload=args.offload, activations=args.activations, slots="auto", **disk)
     trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=1,
                          precision="bf16-mixed" if device.type == "cuda" else "32-true",
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -130,7 +135,7 @@ def main() -> None:
             "total_gib": {w: plan.total(w) / GiB for w in ("gpu", "pinned", "ram", "disk")}},
         "engine": clock.stats,
     }
-    out = Path(args.out) / f"capacity-{args.model}.json"
+    out = Path(args.out) / f"capacity-{args.model}-{args.offload}.json"
     out.write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("ok", "error", "step_s", "tokens_per_s", "measured")}, indent=2))
 

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh check   GPU tests (runtime + kernels)
 #   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py)
 #   bash scripts/gpu_session.sh bench   the throughput/memory suite (benchmarks/, `targets` by default)
+#   bash scripts/gpu_session.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 # Writes logs and results under $OUT. Carried wheels (.whl/) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,13 @@ case "${1:-check}" in
     # at most 8 files come back from the GPU machine: one JSON-lines file and the plot
     python3 -c "import json,glob; print('\n'.join(json.dumps(json.load(open(f))) for f in sorted(glob.glob('/tmp/ops/*.json'))))" > "$OUT/ops_results.jsonl"
     cp /tmp/ops/*.png "$OUT/" 2>/dev/null
+    ;;
+  capacity)
+    timeout 330 python3 -m benchmarks.capacity --model qwen3_14b --steps 3 --micro-batch 8 --out "$OUT" \
+      --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-14b.log"; tail -15 "$OUT/capacity-14b.log"
+    timeout 200 python3 -m benchmarks.capacity --model llama3_8b --steps 4 --micro-batch 8 --nvme-moments 0.1 \
+      --activations nvme --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b.log"; tail -15 "$OUT/capacity-8b.log"
+    df -h /tmp | tee -a "$OUT/machine.txt"
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" --budget-s "${BUDGET:-540}" --commit "$COMMIT"
