@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test of the script
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # CPU: a smoke test
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)

@@ -216,6 +216,8 @@ class SlideEngine:
         accumulate: bool = False,
         deferred: bool = False,
     ) -> None:
+        if device.type == "cuda" and device.index is None:  # memory queries need the index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
         self.failure = Failure()
         self.clip_norm = clip_norm
