@@ -23,23 +23,29 @@ def _by_case(records: list[dict]) -> dict[str, dict]:
     return {r["case"]: r for r in records if r["ok"]}
 
 
+def _slide(name: str, ok: dict[str, dict]) -> str:
+    """The slide case as shipped (the default window, slots="auto") when it ran, else the fixed-window one."""
+    return f"{name}-slots-auto" if f"{name}-slots-auto" in ok else name
+
+
 def _ratio(numerator: str, denominator: str) -> Callable[[dict[str, dict]], tuple[float, str] | None]:
-    """Throughput of one case over another's, with the first case's binding bound."""
+    """Throughput of a slide case over another case's, with the slide case's binding bound (and its name)."""
     def measure(ok: dict[str, dict]) -> tuple[float, str] | None:
-        if numerator not in ok or denominator not in ok:
+        name = _slide(numerator, ok)
+        if name not in ok or denominator not in ok:
             return None
-        return ok[numerator]["tokens_per_s"] / ok[denominator]["tokens_per_s"], ok[numerator].get("binding")
+        return ok[name]["tokens_per_s"] / ok[denominator]["tokens_per_s"], f"{ok[name].get('binding')} ({name})"
     return measure
 
 
 def _over_cpu_bound(name: str) -> Callable[[dict[str, dict]], tuple[float, str] | None]:
     """Measured step time over the CPU-Adam bound of the same run."""
     def measure(ok: dict[str, dict]) -> tuple[float, str] | None:
-        record = ok.get(name)
+        record = ok.get(_slide(name, ok))
         bound = (record or {}).get("bounds_s", {}).get("cpu_update")
         if not bound:
             return None
-        return record["step_s_mean"] / bound, record.get("binding")
+        return record["step_s_mean"] / bound, f"{record.get('binding')} ({record['case']})"
     return measure
 
 
