@@ -34,7 +34,7 @@ class SlideConfig:
     """
 
     offload: Offload = "cpu"
-    slots: int | Literal["auto"] = 3
+    slots: int | Literal["auto"] = "auto"
     activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
     h2d_source: Literal["master", "shadow"] = "master"
     chunk_elems: int = 1 << 25

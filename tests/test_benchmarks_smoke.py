@@ -123,7 +123,7 @@ def test_bounds_idle_time_and_targets_come_from_the_run() -> None:
     assert slide["baseline_of_same_run"]["case"] == "llama3_8b-mb8-capnone-ceiling"
     rows = {row["target"][:6]: row for row in report.target_rows(records)}
     assert rows["8B at "]["value"] == pytest.approx(slide["step_s_mean"] / slide["bounds_s"]["cpu_update"])
-    assert rows["8B, 24"]["met"] is None  # mb64 cpu case not in this run
+    assert "slots-auto" in rows["8B, 24"]["binding"]  # the shipped window's case stands for the 64k target
     assert rows["expose"]["value"] == pytest.approx(0.2, abs=1e-3) and rows["expose"]["met"] is False
     assert "slots-auto" in rows["expose"]["binding"]
 
