@@ -136,7 +136,8 @@ class ActivationStore:
     def _close_disk(self) -> None:
         """Retire the spill and its files (a larger input needs larger regions)."""
         if self.disk is not None:
-            self.disk.drain()
+            if self.failure.error is None:  # after a failure there is nothing worth finishing
+                self.disk.drain()
             self.disk.close()
             self._disk_read += self.disk.bytes_read
             self._disk_written += self.disk.bytes_written

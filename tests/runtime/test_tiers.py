@@ -13,7 +13,7 @@ import lightning_slide.planner as planner
 import lightning_slide.tiers as tiers
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import ModelShape, Plan, PlanError, Resources, Setup, fit_moments
-from lightning_slide.threads import Failure
+from lightning_slide.threads import Failure, WorkerError
 from lightning_slide.tiers import DiskTierError, Region, Spill, TierDirectory
 from tests.runtime.helpers import CausalLM, fit, param_groups, tiny_model, token_batches, trainer
 
@@ -102,6 +102,17 @@ def test_disk_files_are_removed_after_an_exception(tmp_path):
     strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0)
     with pytest.raises(ValueError, match="injected failure"):
         trainer(strategy, 3).fit(Failing(tiny_model()), DataLoader(token_batches(3), batch_size=None))
+    assert _files(tmp_path) == []
+
+
+def test_a_failing_disk_read_stops_training_with_its_error_and_the_files_go(tmp_path, monkeypatch):
+    def broken(self, dst, offset):
+        raise DiskTierError(f"injected read failure in {self.path}")
+
+    monkeypatch.setattr(tiers.DiskFile, "read", broken)
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, activations="nvme")
+    with pytest.raises(WorkerError, match="injected read failure"):
+        trainer(strategy, 2).fit(CausalLM(tiny_model()), DataLoader(token_batches(2), batch_size=None))
     assert _files(tmp_path) == []
 
 
