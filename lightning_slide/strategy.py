@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any, Generator, Mapping
 
 import torch
+from torch.utils._pytree import tree_flatten
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -31,6 +32,14 @@ from lightning_slide.materialize import meta_parameters
 from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
 from lightning_slide.tiers import backend_name
+
+
+def _token_shape(batch: Any) -> tuple[int, int] | None:
+    """(micro-batch, sequence length) of the first 2-D integer tensor in a batch (the token ids)."""
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not leaf.is_floating_point():
+            return int(leaf.shape[0]), int(leaf.shape[1])
+    return None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -81,6 +90,7 @@ class SlideStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
         self.engine: SlideEngine | None = None
         self.plan: Plan | None = None
+        self._planned: tuple | None = None  # (model shape, setup) until the first micro-batch is checked
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -150,6 +160,7 @@ class SlideStrategy(SingleDeviceStrategy):
             self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
             setup = replace(setup, config=self.config)
             self.plan = Plan.static(shape, setup)
+        self._planned = (shape, setup)
         rank_zero_info(self.plan.describe())
         if self.config.offload == "nvme":
             rank_zero_info(f"slideformer disk tier: {backend_name()}, files under {self.config.nvme_path}, "
@@ -188,8 +199,22 @@ class SlideStrategy(SingleDeviceStrategy):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._planned is not None:
+            self._check_batch(args[0] if args else None)
         self.engine.new_micro_batch()
         return super().training_step(*args, **kwargs)
+
+    def _check_batch(self, batch: Any) -> None:
+        """Before the first forward allocates: refuse a micro-batch whose activations and workspace cannot fit."""
+        (shape, setup), self._planned = self._planned, None
+        tokens = _token_shape(batch)
+        if tokens is None:
+            return
+        resources = Resources.probe(self.root_device)
+        gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
+        needs = self.plan.batch(shape, setup, *tokens, gpu_free)
+        rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe())
+        needs.check(resources)
 
     # ------------------------------------------------------------------------------------ checkpoints
     @property

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig
 
@@ -203,3 +204,23 @@ def test_fit_keeps_the_plan_of_what_it_allocated():
     sizes = {e.what: e.bytes for e in strategy.plan.entries}
     assert sizes["fp32 master weights"] == 4 * n
     assert sizes["fp32 gradient sums"] == 4 * n
+
+
+def test_a_micro_batch_that_cannot_fit_is_refused_before_its_forward(monkeypatch):
+    class RamRunsOut(Callback):
+        def on_train_start(self, trainer, pl_module):  # after setup's static check, before the first batch
+            monkeypatch.setattr(planner, "available_ram", lambda: 1024)
+
+    with pytest.raises(PlanError, match="micro_batch"):
+        trainer("slideformer", 1, callbacks=[RamRunsOut()]).fit(
+            CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+def test_the_batch_plan_with_kernels_is_calibrated_below_the_hf_modules_workspace():
+    shape = _llama_8b()
+    with_kernels = Plan.static(shape, Setup(SlideConfig())).batch(shape, Setup(SlideConfig()), 64, 1024)
+    without = Plan.static(shape, Setup(SlideConfig(use_kernels=False))).batch(
+        shape, Setup(SlideConfig(use_kernels=False)), 64, 1024)
+    workspace = {p: next(e.bytes for e in p.entries if e.what.startswith("compute workspace"))
+                 for p in (with_kernels, without)}
+    assert workspace[with_kernels] < 0.8 * workspace[without]
