@@ -234,6 +234,17 @@ def _session2() -> list[Case]:
     return first + [case for case in _grid() if case.name not in measured]
 
 
+def _session3() -> list[Case]:
+    """What session 2 left unmeasured, in priority order for ~9-minute calls: the 3B target pair in one run (the
+    default window is now slots="auto"), 8B at 1x16k, the micro-batch and sequence ladders, the disk-tier case,
+    then the rest of the grid."""
+    first = [CASES[name] for name in (
+        "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_8b-mb1-seq16384-cap24-slide-cpu",
+        "llama3_3b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq",
+        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
+    return first + [case for case in _grid() if case.name not in {c.name for c in first}]
+
+
 def _smoke() -> list[Case]:
     """A tiny Llama on the CPU: exercises every code path of the harness in seconds, no GPU needed."""
     cpu = dict(cap_gib=None, device="cpu", warmup=2, steps=10, est_s=30)
@@ -265,6 +276,7 @@ SUITES: dict[str, list[Case]] = {
 }
 CASES: dict[str, Case] = {c.name: c for suite in SUITES.values() for c in suite}
 SUITES["session2"] = _session2()
+SUITES["session3"] = _session3()
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
                          + SUITES["ladders-rest"])
 
