@@ -258,6 +258,7 @@ class SlideEngine:
         self._plan: StepPlan | None = None
         self._dispatched = 0
         self._step = 0
+        self._window_adapted = False
         self._step_tensor = torch.tensor(0.0)
         self._tape_position = 0
         self._last_call: weakref.ref | None = None
@@ -431,7 +432,8 @@ class SlideEngine:
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan)
-        if self._step == 1 and self.config.slots == "auto":
+        if self.config.slots == "auto" and not self._window_adapted:  # the first step of this run (also a resumed one)
+            self._window_adapted = True
             self._adapt_window()
 
     def _adapt_window(self) -> None:

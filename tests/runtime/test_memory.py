@@ -63,3 +63,17 @@ def test_an_auto_window_grows_after_the_first_step_until_each_unit_loads_once_pe
     blocks_and_vocab_units = sum(p.numel() for p in tiny_model("llama", num_hidden_layers=6).parameters()) * 4
     assert _loaded_bytes_per_step(slots="auto", steps=1) > blocks_and_vocab_units
     assert _loaded_bytes_per_step(slots="auto", steps=2) == blocks_and_vocab_units
+
+
+def test_a_resumed_run_grows_its_auto_window_after_its_own_first_step():
+    model = tiny_model("llama", num_hidden_layers=6)
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine = SlideEngine(model, optimizer, SlideConfig(slots="auto"), torch.device("cpu"), torch.float32)
+    engine._step = 7  # what loading a checkpoint's optimizer state sets
+    x = token_batches(1)[0]
+    engine.new_micro_batch()
+    engine.begin_step()
+    model(input_ids=x, labels=x).loss.backward()
+    engine.end_step()
+    assert len(engine.window.ring) == 6
+    engine.close()
