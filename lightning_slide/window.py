@@ -86,8 +86,8 @@ class Window:
         return self.capacity * self.ring[0].params.element_size() if self.ring else 0
 
     def grow(self, count: int) -> None:
-        """Add `count` block slots (slots="auto", once): more blocks stay resident between their passes."""
-        self.ring += [Slot(self.capacity, self.dtype, self.device) for _ in range(max(0, min(count, self.blocks - len(self.ring))))]
+        """Add `count` block slots (slots="auto", once; the engine sizes it): more blocks stay resident."""
+        self.ring += [Slot(self.capacity, self.dtype, self.device) for _ in range(count)]
 
     def holding(self, unit: int) -> Slot | None:
         if unit in self.dedicated:
