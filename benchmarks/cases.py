@@ -82,7 +82,7 @@ class Case:
 
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
-_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}"}
+_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -146,6 +146,7 @@ _DS3_8B_HOST_OOM = ("ANCHORS 2026-11-29: host memory climbed to 122 GiB during s
                     "was killed before the first step")
 _DS3_3B_MB32_OOM = "ANCHORS 2026-11-29: CUDA out of memory allocating 15.66 GiB (the full logits tensor)"
 SLOTS_AUTO: Settings = (("slots", "auto"),)
+RECOMPUTE_ALWAYS: Settings = (("recompute", "always"),)  # the default ("auto") keeps graphs where VRAM is spare
 
 
 def nvme(moments: float) -> Settings:
@@ -184,6 +185,8 @@ def _more() -> list[Case]:
         make("slide", "llama3_8b", 64, slide_settings=SLOTS_AUTO),
         make("slide", "llama3_8b", 8, slide_settings=nvme(0.0)),
         make("slide", "llama3_8b", 8, slide_settings=nvme(0.25)),
+        make("slide", "llama3_1b", 32, slide_settings=RECOMPUTE_ALWAYS),
+        make("slide", "llama3_3b", 8, slide_settings=RECOMPUTE_ALWAYS),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
         *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
@@ -245,6 +248,22 @@ def _session3() -> list[Case]:
     return first + [case for case in _grid() if case.name not in {c.name for c in first}]
 
 
+def _session4() -> tuple[list[Case], list[Case]]:
+    """Two ~9-minute GPU calls: (a) every target with the default window and recompute="auto", and what kept
+    graphs buy against recompute="always" in the same run; (b) the long sequence, the ladders, the disk tier,
+    then the grid."""
+    a = [CASES[name] for name in (
+        "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_8b-mb8-capnone-ceiling",
+        "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu", "llama3_1b-mb32-cap24-slide-cpu",
+        "llama3_1b-mb32-cap24-slide-cpu-recompute-always", "llama3_1b-mb32-capnone-ceiling",
+        "llama3_3b-mb8-cap24-slide-cpu-recompute-always")]
+    b = [CASES[name] for name in (
+        "probe", "llama3_8b-mb1-seq16384-cap24-slide-cpu", "llama3_3b-cap24-slide-cpu-max-mb",
+        "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq",
+        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
+    return a, b + [case for case in _grid() if case.name not in {c.name for c in a + b}]
+
+
 def _smoke() -> list[Case]:
     """A tiny Llama on the CPU: exercises every code path of the harness in seconds, no GPU needed."""
     cpu = dict(cap_gib=None, device="cpu", warmup=2, steps=10, est_s=30)
@@ -277,6 +296,7 @@ SUITES: dict[str, list[Case]] = {
 CASES: dict[str, Case] = {c.name: c for suite in SUITES.values() for c in suite}
 SUITES["session2"] = _session2()
 SUITES["session3"] = _session3()
+SUITES["session4a"], SUITES["session4b"] = _session4()
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
                          + SUITES["ladders-rest"])
 

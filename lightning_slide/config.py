@@ -20,6 +20,12 @@ class SlideConfig:
     activations: where each unit's saved input waits for its backward: "device" (GPU memory), "cpu"
         (pinned host RAM, copied out and prefetched back asynchronously), "nvme" (files of the disk tier), or
         "auto" (the device while all inputs take at most half the free GPU memory, else the offload tier).
+    recompute: what a part's backward does for the intermediate tensors of its forward. "always": the
+        forward keeps only the part's input and the backward recomputes the part (least memory); "never":
+        every part keeps its autograd graph on the device until its backward, as training without
+        checkpointing does (weights excepted: they are read back from the window's slots); "auto": the first
+        step recomputes and measures each part's graph, then parts keep their graphs (in forward order) in
+        the device memory left after the window has grown (CUDA; on the CPU "auto" recomputes).
     h2d_source: what a unit load reads from host memory. "master": the pinned fp32 master, cast to the
         compute dtype on the GPU (no extra RAM, 4 PCIe bytes/param); "shadow": a pinned bf16 copy the
         optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
@@ -36,6 +42,7 @@ class SlideConfig:
     offload: Offload = "cpu"
     slots: int | Literal["auto"] = "auto"
     activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
+    recompute: Literal["auto", "always", "never"] = "auto"
     h2d_source: Literal["master", "shadow"] = "master"
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
@@ -49,6 +56,7 @@ class SlideConfig:
             "slots": self.slots == "auto" or (isinstance(self.slots, int) and self.slots >= 2),
             "activations": self.activations in ("auto", "device", "cpu") or (
                 self.activations == "nvme" and self.offload == "nvme"),
+            "recompute": self.recompute in ("auto", "always", "never"),
             "h2d_source": self.h2d_source in ("master", "shadow"),
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
@@ -77,6 +85,7 @@ _HINTS = {
     "offload": "Choose 'cpu' (host RAM), 'nvme' (disk tier) or 'none' (everything on the GPU).",
     "slots": "The window needs at least 2 GPU slots (one computing, one loading), or 'auto'.",
     "activations": "Choose 'auto', 'device', 'cpu', or 'nvme' together with offload='nvme'.",
+    "recompute": "Choose 'auto' (keep graphs where VRAM is spare), 'always' (least memory) or 'never'.",
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.config import SlideConfig
+from lightning_slide.graphs import GraphBudget, SlotViews
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units
@@ -109,7 +110,10 @@ class _Call:
         self.engine, self.part = engine, part
         self.leaves, self.spec = tree_flatten((args, kwargs))
         self.grad_positions = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        self.elements = sum(x.numel() for x in self.leaves if isinstance(x, torch.Tensor))
         self.saved: list[Saved] = []
+        self.kept: int | None = None  # bytes reserved for this call's kept graph; None: recomputed
+        self.graph: Any = None
         self.prev: weakref.ref | None = None
         self.out_leaves: list[Any] = []
         self.out_spec = None
@@ -120,17 +124,37 @@ class _Call:
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         engine = self.engine
         slots = engine._enter(self.part, +1)
-        self.saved = [engine.activations.save((engine._tape_position, i), x.detach()) for i, x in enumerate(inputs)]
-        self.autocast = _autocast_state(engine.device)
-        self.rng = _rng_state(engine.device) if self.part.needs_rng else None
-        out = engine._compute(self.part, slots, self.leaves, self.spec, {})
+        self.kept = engine.graphs.admit(self.part, self.elements)
+        if self.kept is None:  # the backward recomputes: keep only the inputs
+            self.saved = [engine.activations.save((engine._tape_position, i), x.detach()) for i, x in enumerate(inputs)]
+            self.autocast = _autocast_state(engine.device)
+            self.rng = _rng_state(engine.device) if self.part.needs_rng else None
+            out = engine._compute(self.part, slots, self.leaves, self.spec, {})
+        else:
+            out = self.graph = self._record(slots, [x.detach().requires_grad_(True) for x in inputs])
         engine._leave(self.part, slots, +1)
-        for i in self.grad_positions:  # the saved copy is the only reference the backward needs
+        for i in self.grad_positions:  # the saved copy (or the graph) is the only reference the backward needs
             self.leaves[i] = None
         leaves, self.out_spec = tree_flatten(out)
         # Keep no output tensor here: an output holds this node, which holds this call (a leaking cycle).
         self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        return tuple(x.detach() if self.kept is not None else x for x in leaves if isinstance(x, torch.Tensor))
+
+    def _record(self, slots: dict[int, Slot], inputs: list[torch.Tensor]) -> Any:
+        """Run the part with its inputs and trainable weights as fresh leaves, recording its graph.
+
+        The graph saves slot tensors as places (`SlotViews`), so the slots may serve other units before the
+        backward; the hooks also measure what the graph keeps.
+        """
+        self.inputs = inputs
+        leaves = list(self.leaves)
+        for i, x in zip(self.grad_positions, inputs):
+            leaves[i] = x
+        trainable = [b for b in self.part.bindings if b.trainable]
+        self.weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in trainable}
+        self.views = SlotViews(slots)
+        with torch.enable_grad(), self.views:  # the graph keeps slot tensors as places
+            return self.engine._compute(self.part, slots, leaves, self.spec, self.weights)
 
     def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         it = iter(tensors)
@@ -147,26 +171,28 @@ class _Call:
         prev = self.prev() if self.prev is not None else None
         if prev is not None:
             prev.prefetch()
-        inputs = [s.get().detach().requires_grad_(True) for s in self.saved]
-        leaves = list(self.leaves)
-        for i, x in zip(self.grad_positions, inputs):
-            leaves[i] = x
-        trainable = [b for b in part.bindings if b.trainable]
-        weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in trainable}
-        with torch.enable_grad(), _restored(self.autocast, self.rng, engine.device):
-            out = engine._compute(part, slots, leaves, self.spec, weights)
+        if self.kept is None:
+            inputs = [s.get().detach().requires_grad_(True) for s in self.saved]
+            before = engine.allocated()
+            with _restored(self.autocast, self.rng, engine.device):
+                out = self._record(slots, inputs)
+            engine.graphs.measured(part, engine.allocated() - before, self.elements)
+        else:
+            out, self.graph = self.graph, None
+            self.views.slots = slots  # the units' weights are where they are now
+            engine.graphs.release(self.kept)
         pairs = [
             (o, g)
             for o, g in zip((x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)), grad_outputs)
             if g is not None and o.requires_grad
         ]
         grads = torch.autograd.grad(
-            [o for o, _ in pairs], [*inputs, *weights.values()], [g for _, g in pairs], allow_unused=True
+            [o for o, _ in pairs], [*self.inputs, *self.weights.values()], [g for _, g in pairs], allow_unused=True
         )
-        engine._store_grads(part, trainable, grads[len(inputs) :])
+        engine._store_grads(part, [b for b in part.bindings if b.trainable], grads[len(self.inputs) :])
         engine._leave(part, slots, -1)
-        self.saved, self.leaves = [], []
-        return list(grads[: len(inputs)])
+        self.saved, self.leaves, self.inputs, self.weights, self.views = [], [], [], {}, None
+        return list(grads[: len(self.grad_positions)])
 
 
 def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
@@ -258,7 +284,8 @@ class SlideEngine:
         self._plan: StepPlan | None = None
         self._dispatched = 0
         self._step = 0
-        self._window_adapted = False
+        self._adapted = False
+        self.graphs = GraphBudget(config.recompute)
         self._step_tensor = torch.tensor(0.0)
         self._tape_position = 0
         self._last_call: weakref.ref | None = None
@@ -410,6 +437,7 @@ class SlideEngine:
         self._tape_position = 0
         self._last_call = None
         self.activations.new_micro_batch()
+        self.graphs.new_micro_batch()
 
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
@@ -432,22 +460,31 @@ class SlideEngine:
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan)
-        if self.config.slots == "auto" and not self._window_adapted:  # the first step of this run (also a resumed one)
-            self._window_adapted = True
-            self._adapt_window()
+        if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # this run's first step
+            self._adapted = True
+            self._adapt()
 
-    def _adapt_window(self) -> None:
-        """slots="auto": the first step showed this batch's peak memory; spend what is spare on block slots.
+    def allocated(self) -> int:
+        """Device memory held by tensors now (a host-side counter: no synchronisation); 0 off CUDA."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _adapt(self) -> None:
+        """The first step showed this batch's peak memory: spend what is spare on block slots, then kept graphs.
 
         More resident blocks mean fewer loads: a block that stays in its slot from its forward to its
-        backward is read from host memory once per step instead of twice.
+        backward is read from host memory once per step instead of twice. A kept graph saves a part's
+        recompute (a quarter of its compute). On the CPU the slots grow to every block and graphs are not
+        kept (there is no device memory to spend).
         """
-        missing = self.window.blocks - len(self.window.ring)
-        if self.device.type == "cuda" and missing > 0:
-            limit = available_vram(self.device) + torch.cuda.memory_allocated(self.device)
-            spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
-            missing = min(missing, int(spare // max(self.window.slot_bytes, 1)))
-        self.window.grow(missing)
+        grow = self.window.blocks - len(self.window.ring) if self.config.slots == "auto" else 0
+        if self.device.type != "cuda":
+            self.window.grow(grow)
+            return
+        limit = available_vram(self.device) + torch.cuda.memory_allocated(self.device)
+        spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
+        grow = max(0, min(grow, int(spare // max(self.window.slot_bytes, 1))))
+        self.window.grow(grow)
+        self.graphs.allow(spare - grow * self.window.slot_bytes)
 
     def _launch_deferred(self, plan: StepPlan) -> None:
         """All gradients summed on the host: clip by the global norm, then update in forward order."""
@@ -508,6 +545,7 @@ class SlideEngine:
             "wait_update_s": self.window.wait_s,
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
+            "kept_graphs": self.graphs.kept,
             "disk_read_bytes": self.moments.disk_bytes[0] + self.activations.disk_bytes[0],
             "disk_write_bytes": self.moments.disk_bytes[1] + self.activations.disk_bytes[1],
         }

@@ -200,7 +200,8 @@ class Plan:
         tokens = micro_batch * seq_len
         acts = shape.saves * tokens * shape.hidden * setup.compute_bytes
         where = _saved_inputs_go(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
-        batch = (*_activations(shape, setup, tokens, acts, where), _workspace(shape, setup, tokens))
+        batch = (*_activations(shape, setup, tokens, acts, where), _workspace(shape, setup, tokens),
+                 _kept_graphs(shape, setup, tokens))
         return Plan(tuple(e for e in batch if e.bytes > 0))
 
     def with_batch(self, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
@@ -361,11 +362,10 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     the fused loss (CUDA kernels: one logits chunk) or builds full logits (compute dtype, then fp32
     log-softmax and gradient), and also produces a vocabulary-sized weight gradient.
     """
-    c, h, q, kv = setup.compute_bytes, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_token = (7 * h + 3 * q + 4 * kv + 4 * shape.intermediate) * c + 3 * h * 4
+    c, h = setup.compute_bytes, shape.hidden
     kernels = setup.cuda and setup.config.use_kernels
-    per_token = int(per_token * KERNEL_BLOCK_FACTOR) if kernels else per_token
-    block = tokens * per_token + max((u.numel for u in shape.units if not u.dedicated), default=0) * c
+    block = tokens * _block_graph_per_token(shape, setup) + max(
+        (u.numel for u in shape.units if not u.dedicated), default=0) * c
     weight_grad = shape.vocab * h * c
     if kernels:
         head = LOSS_CHUNK_BYTES + weight_grad + 2 * tokens * h * c
@@ -373,6 +373,20 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
         head = tokens * shape.vocab * (2 * c + 8) + weight_grad + 2 * tokens * h * c
     return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),
                  "a smaller micro_batch or seq_len")
+
+
+def _block_graph_per_token(shape: ModelShape, setup: Setup) -> int:
+    """Bytes per token a decoder block's forward keeps for its backward (see `_workspace`)."""
+    c, h, q, kv = setup.compute_bytes, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_token = (7 * h + 3 * q + 4 * kv + 4 * shape.intermediate) * c + 3 * h * 4
+    return int(per_token * KERNEL_BLOCK_FACTOR) if setup.cuda and setup.config.use_kernels else per_token
+
+
+def _kept_graphs(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
+    """recompute="never": every block keeps its graph until its backward ("auto" fits them to what is spare)."""
+    blocks = sum(not u.dedicated for u in shape.units) if setup.config.recompute == "never" else 0
+    return Entry(f"kept graphs of {blocks} blocks (recompute='never')", setup.on_device,
+                 blocks * tokens * _block_graph_per_token(shape, setup), "recompute='auto', or a smaller micro_batch")
 
 
 def plan_for_run(root: nn.Module, optimizer: torch.optim.Optimizer | None, setup: Setup) -> tuple[ModelShape, Plan]:

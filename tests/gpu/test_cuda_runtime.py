@@ -22,14 +22,15 @@ def test_fp32_on_cuda_matches_adamw_without_kernels():
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096), dict(slots="auto")],
-    ids=["disk-tier", "auto-window"],
+    [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096), dict(slots="auto"),
+     dict(recompute="never", slots=2)],
+    ids=["disk-tier", "auto-window", "kept-graphs-two-slots"],
 )
 def test_every_tier_and_window_on_cuda_gives_the_cpu_tiers_parameters(settings, tmp_path):
     from lightning_slide import SlideStrategy
 
     model, batches = tiny_model("llama", num_hidden_layers=6), token_batches(STEPS * 2)
-    base = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, accumulate=2, accelerator="gpu")
+    base = fit(model, batches, SlideStrategy(use_kernels=False, recompute="always"), STEPS, accumulate=2, accelerator="gpu")
     if settings.get("offload") == "nvme":
         settings = {**settings, "nvme_path": str(tmp_path)}
     other = fit(model, batches, SlideStrategy(use_kernels=False, **settings), STEPS, accumulate=2, accelerator="gpu")
@@ -48,8 +49,11 @@ def test_bf16_on_cuda_with_kernels_stays_within_bf16_noise(activations):
     assert relative_difference(fp32, ours.model, per_tensor_limit=0.1) <= max(2 * noise, 1e-3)
 
 
-@pytest.mark.parametrize("settings", [dict(activations="device"), dict(activations="cpu"), dict(slots="auto")],
-                         ids=["device", "cpu", "auto-window"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(activations="device", recompute="always"), dict(activations="cpu", recompute="always"),
+     dict(slots="auto", recompute="always"), dict(recompute="auto")],
+    ids=["device", "cpu", "auto-window", "auto-window-and-graphs"])
 def test_no_device_allocation_after_warm_up(settings):
     model = tiny_model("llama", num_hidden_layers=6)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
@@ -73,9 +77,24 @@ def test_no_device_allocation_after_warm_up(settings):
     engine.synchronize()
     torch.cuda.synchronize()
     after = torch.cuda.memory_stats()
+    kept = engine.stats()["kept_graphs"]
     engine.close()
+    assert (kept > 0) == (settings.get("recompute") == "auto"), "recompute='auto' keeps graphs on a roomy GPU"
     assert after["segment.all.allocated"] == before["segment.all.allocated"], "cudaMalloc after warm-up"
     assert after["num_alloc_retries"] == before["num_alloc_retries"]
+
+
+def test_auto_recompute_keeps_graphs_after_the_first_step_with_the_same_parameters():
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama", num_hidden_layers=6), token_batches(STEPS)
+    recomputed = fit(model, batches, SlideStrategy(use_kernels=False, recompute="always"), STEPS, accelerator="gpu")
+    auto = SlideStrategy(use_kernels=False, recompute="auto")
+    kept = []
+    auto.teardown = lambda: (kept.append(auto.engine.stats()["kept_graphs"]), SlideStrategy.teardown(auto))
+    got = fit(model, batches, auto, STEPS, accelerator="gpu")
+    assert all(torch.equal(p, q) for p, q in zip(recomputed.model.parameters(), got.model.parameters()))
+    assert kept[0] >= (STEPS - 1) * 6  # every block of every step after the first
 
 
 def test_master_weights_are_pinned_and_unpinned_at_close():

@@ -224,3 +224,14 @@ def test_the_batch_plan_with_kernels_is_calibrated_below_the_hf_modules_workspac
     workspace = {p: next(e.bytes for e in p.entries if e.what.startswith("compute workspace"))
                  for p in (with_kernels, without)}
     assert workspace[with_kernels] < 0.8 * workspace[without]
+
+
+def test_recompute_never_plans_every_blocks_graph_and_names_recompute_when_it_cannot_fit():
+    shape = _llama_8b()
+    setup = Setup(SlideConfig(recompute="never"))
+    plan = Plan.estimate(shape, setup, micro_batch=8, seq_len=1024)
+    kept = next(e for e in plan.entries if e.what.startswith("kept graphs of 32 blocks"))
+    assert kept.bytes == 32 * 8 * 1024 * planner._block_graph_per_token(shape, setup)
+    assert not any(e.what.startswith("kept graphs") for e in Plan.estimate(shape, Setup(SlideConfig()), 8, 1024).entries)
+    with pytest.raises(PlanError, match="recompute='auto'"):
+        plan.check(Resources(ram=126 * GiB, gpu=24 * GiB))

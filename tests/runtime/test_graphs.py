@@ -1,0 +1,82 @@
+"""Kept graphs (recompute="never"/"auto"): the backward reuses the forward's graph and must train exactly as
+recomputing does, with the weights read back from whichever slot holds them at backward time."""
+
+import gc
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lightning_slide import SlideStrategy
+from lightning_slide.graphs import GraphBudget, SlotViews
+from tests.runtime.helpers import fit, tiny_model, token_batches
+
+STEPS = 3
+
+
+def _params(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kept_graphs_train_bit_identically_to_recomputing(arch):
+    model, batches = tiny_model(arch), token_batches(STEPS * 2)
+    recomputed = fit(model, batches, SlideStrategy(recompute="always", slots=2), STEPS, accumulate=2, clip=0.5)
+    kept = fit(model, batches, SlideStrategy(recompute="never", slots=2), STEPS, accumulate=2, clip=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(_params(recomputed.model), _params(kept.model)))
+
+
+def test_kept_graphs_reuse_the_forwards_dropout_masks():
+    model, batches = tiny_model("llama", attention_dropout=0.3), token_batches(STEPS)
+    torch.manual_seed(5)
+    recomputed = fit(model, batches, SlideStrategy(recompute="always"), STEPS)
+    torch.manual_seed(5)
+    kept = fit(model, batches, SlideStrategy(recompute="never"), STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(_params(recomputed.model), _params(kept.model)))
+
+
+class _LiveGraphs(Callback):
+    def __init__(self) -> None:
+        self.counts: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        gc.collect()
+        live = sum(isinstance(o, SlotViews) for o in gc.get_objects())
+        self.counts.append((live, trainer.strategy.engine.graphs.used))
+
+
+def test_a_kept_graph_is_freed_by_its_backward():
+    probe = _LiveGraphs()
+    fit(tiny_model("qwen2-tied"), token_batches(STEPS), SlideStrategy(recompute="never", slots=2), STEPS,
+        callbacks=[probe])
+    assert probe.counts == [(0, 0)] * STEPS
+
+
+def test_auto_recomputes_until_a_part_has_been_measured_and_memory_granted():
+    budget, part = GraphBudget("auto"), object()
+    assert budget.admit(part, 100) is None
+    budget.measured(part, 1000, 100)
+    assert budget.admit(part, 100) is None  # measured, but no memory granted yet
+    budget.allow(2500)
+    assert budget.admit(part, 100) == 1000
+
+
+def test_auto_keeps_graphs_in_call_order_while_their_scaled_estimates_fit():
+    budget, first, second = GraphBudget("auto"), object(), object()
+    budget.measured(first, 1000, 100)
+    budget.measured(second, 400, 100)
+    budget.allow(2500)
+    assert budget.admit(first, 200) == 2000  # twice the input elements: twice the graph
+    assert budget.admit(second, 200) is None  # 2000 + 800 > 2500
+    assert budget.admit(second, 100) == 400
+    budget.release(2000)
+    assert budget.used == 400
+
+
+def test_always_never_keeps_and_never_always_keeps():
+    always, never = GraphBudget("always"), GraphBudget("never")
+    for budget in (always, never):
+        budget.measured("part", 10, 1)
+        budget.allow(1e12)
+    assert always.admit("part", 1) is None
+    assert never.admit("part", 10**9) == 0
