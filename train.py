@@ -13,19 +13,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_slide import SlideStrategy
 from lightning_slide.callbacks import HFExport, ThroughputMemoryMonitor
 from lightning_slide.data import TextDataModule, load_tokenizer
 from lightning_slide.lm import CausalLMModule
 from lightning_slide.models import build_model
-
-
-def make_strategy(offload: dict) -> L.pytorch.strategies.Strategy | str:
-    """offload=none is plain Lightning; anything else is the sliding runtime with these settings."""
-    if offload["offload"] == "none":
-        return "auto"
-    from lightning_slide import SlideStrategy  # the runtime; offload=none runs without it
-
-    return SlideStrategy(**offload)
 
 
 def resolve_precision(precision: str) -> str:
@@ -45,7 +37,7 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     module = CausalLMModule(model, **c["optim"])
     trainer = L.Trainer(
         **{**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},
-        strategy=make_strategy(c["offload"]),
+        strategy=SlideStrategy(**c["offload"]),  # offload=none: plain single-device training
         default_root_dir=run_dir,
         logger=[CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tensorboard", version="")],
         callbacks=[

@@ -3,6 +3,8 @@
 The LightningModule's parameters stay on the host as fp32 masters (views into the engine's flat storage),
 so `configure_optimizers`, LR schedulers, `state_dict` and checkpoints see ordinary CPU tensors; only the
 engine moves weights to the GPU, one unit at a time, and runs the optimizer on the CPU.
+
+With `offload="none"` there is no engine: the strategy is Lightning's single-device training.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class SlideStrategy(SingleDeviceStrategy):
     Keyword settings are the fields of :class:`lightning_slide.config.SlideConfig` (``offload``, ``slots``,
     ``activations``, ``h2d_source``, ...). The Trainer's ``precision`` flag is honoured
     (``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``).
+
+    ``offload="none"`` is plain single-device training, exactly as Lightning's ``SingleDeviceStrategy``: no
+    engine, the module and the optimizer state on the compute device, any torch optimizer, and Lightning's own
+    precision plugins, gradient clipping and accumulation. The other settings are then unused.
     """
 
     strategy_name = "slideformer"
@@ -79,11 +85,6 @@ class SlideStrategy(SingleDeviceStrategy):
         **settings: Any,
     ) -> None:
         self.config = SlideConfig.from_kwargs(**settings)
-        if self.config.offload == "none":
-            raise ValueError(
-                "SlideStrategy(offload='none') would keep everything on the GPU: that is Lightning's own "
-                "strategy='auto' (or offload=none in train.py). Use offload='cpu' or 'nvme' with slideformer."
-            )
         if self.config.offload == "nvme" and self.config.nvme_path is None:
             self.config = replace(self.config, nvme_path=tempfile.gettempdir())
         super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision_plugin)
@@ -107,17 +108,27 @@ class SlideStrategy(SingleDeviceStrategy):
         return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
     @property
-    def precision_plugin(self) -> SlidePrecision:
-        if self._precision_plugin is None:
+    def sliding(self) -> bool:
+        """False with offload="none": then every hook below is Lightning's own (the `super()` calls)."""
+        return self.config.offload != "none"
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None and self.sliding:
             self._precision_plugin = SlidePrecision()
-        return self._precision_plugin
+        return super().precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else SlidePrecision.adopt(plugin)
+        self._precision_plugin = SlidePrecision.adopt(plugin) if plugin is not None and self.sliding else plugin
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, trainer: Trainer) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError("The slideformer strategy trains on one device: pass Trainer(devices=1).")
+        if not self.sliding:
+            rank_zero_info(f"offload=none: everything on {self.root_device}")
+            return super().setup(trainer)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._validate(trainer, module)
@@ -168,8 +179,6 @@ class SlideStrategy(SingleDeviceStrategy):
         self.plan.check(resources)
 
     def _validate(self, trainer: Trainer, module: LightningModule) -> None:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError("The slideformer strategy trains on one device: pass Trainer(devices=1).")
         if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
             raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
@@ -185,7 +194,12 @@ class SlideStrategy(SingleDeviceStrategy):
         return float(value) if value else None
 
     def model_to_device(self) -> None:
-        """Weights stay on the host; the engine moves buffers and streams units to the device."""
+        """Weights stay on the host; the engine moves buffers and streams units to the device.
+
+        With offload="none" the whole module moves to the device, as in Lightning.
+        """
+        if not self.sliding:
+            super().model_to_device()
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -194,11 +208,19 @@ class SlideStrategy(SingleDeviceStrategy):
         With `trainer.init_module(empty_init=True)` parameters are meta-device placeholders instead: the
         engine fills them unit by unit, straight into its flat storage, from the local checkpoint folder in
         `model.config.name_or_path` or with the model's initialiser (the model never exists twice in RAM).
+        With offload="none" this is Lightning's own context: the compute device, and empty_init skips the
+        initialisation (real tensors, no meta placeholders).
         """
+        if not self.sliding:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
         with meta_parameters() if empty_init else nullcontext(), torch.device("cpu"):
             yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.sliding:
+            return super().training_step(*args, **kwargs)
         if self._planned is not None:
             self._check_batch(args[0] if args else None)
         self.engine.new_micro_batch()
@@ -219,7 +241,7 @@ class SlideStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------------------------ checkpoints
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True
+        return self.sliding or super().restore_checkpoint_after_setup
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._synchronize()
@@ -236,6 +258,8 @@ class SlideStrategy(SingleDeviceStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load into the engine's flat host state (the base class would move the state to the GPU)."""
+        if not self.sliding:
+            return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
         if len(states) != 1 or self.engine is None:
             raise ValueError("This checkpoint holds optimizer states that do not match the slideformer run.")
