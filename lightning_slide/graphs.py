@@ -81,7 +81,7 @@ class GraphBudget:
             self.kept += 1
             return 0
         measured = self._graph.get(id(part))
-        if measured is None:
+        if measured is None or self.limit <= 0:
             return None
         estimate = math.ceil(measured[0] * elements / max(measured[1], 1))
         if self.used + estimate > self.limit:

@@ -53,10 +53,12 @@ def test_a_kept_graph_is_freed_by_its_backward():
 
 
 def test_auto_recomputes_until_a_part_has_been_measured_and_memory_granted():
-    budget, part = GraphBudget("auto"), object()
+    budget, part, empty = GraphBudget("auto"), object(), object()
     assert budget.admit(part, 100) is None
     budget.measured(part, 1000, 100)
+    budget.measured(empty, 0, 100)
     assert budget.admit(part, 100) is None  # measured, but no memory granted yet
+    assert budget.admit(empty, 100) is None  # even a graph measured at nothing (off CUDA)
     budget.allow(2500)
     assert budget.admit(part, 100) == 1000
 
