@@ -255,7 +255,8 @@ def _session3() -> list[Case]:
 def _session4() -> tuple[list[Case], list[Case], list[Case]]:
     """Three GPU calls of under 9 minutes with the default window and recompute="auto": (a) the 3B target pair,
     and what kept graphs buy against recompute="always"; (b) the 8B targets with their ceiling, and bf16
-    against fp32 gradient transfer, in one run; (c) the long sequence, the ladders, the disk tier, the grid."""
+    against fp32 gradient transfer, in one run; (c) bf16 against fp32 gradient transfer again
+    (larger widening pieces), the ladders, the disk tier, the grid."""
     a = [CASES[name] for name in (
         "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_1b-mb32-cap24-slide-cpu",
         "llama3_1b-mb32-cap24-slide-cpu-recompute-always", "llama3_1b-mb32-capnone-ceiling",
@@ -265,8 +266,9 @@ def _session4() -> tuple[list[Case], list[Case], list[Case]]:
         "llama3_8b-mb8-cap24-slide-cpu-grad-fp32", "llama3_3b-mb8-cap24-slide-cpu",
         "llama3_3b-mb8-cap24-slide-cpu-grad-fp32")]
     c = [CASES[name] for name in (
-        "probe", "llama3_3b-mb8-cap24-slide-cpu-grad-fp32", "llama3_8b-mb1-seq16384-cap24-slide-cpu", "llama3_3b-cap24-slide-cpu-max-mb",
-        "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq",
+        "probe", "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-grad-fp32",
+        "llama3_3b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq",
+        "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-slide-cpu-grad-fp32",
         "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
     return a, b, c + [case for case in _grid() if case.name not in {c.name for c in a + b + c}]
 
