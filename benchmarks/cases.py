@@ -82,8 +82,7 @@ class Case:
 
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
-_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
-              "grad_transfer": "grad-{}"}
+_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -148,7 +147,6 @@ _DS3_8B_HOST_OOM = ("ANCHORS 2026-11-29: host memory climbed to 122 GiB during s
 _DS3_3B_MB32_OOM = "ANCHORS 2026-11-29: CUDA out of memory allocating 15.66 GiB (the full logits tensor)"
 SLOTS_AUTO: Settings = (("slots", "auto"),)
 RECOMPUTE_ALWAYS: Settings = (("recompute", "always"),)  # the default ("auto") keeps graphs where VRAM is spare
-GRAD_FP32: Settings = (("grad_transfer", "fp32"),)  # the default ("compute") sends bf16 gradients to the CPU
 
 
 def nvme(moments: float) -> Settings:
@@ -189,8 +187,6 @@ def _more() -> list[Case]:
         make("slide", "llama3_8b", 8, slide_settings=nvme(0.25)),
         make("slide", "llama3_1b", 32, slide_settings=RECOMPUTE_ALWAYS),
         make("slide", "llama3_3b", 8, slide_settings=RECOMPUTE_ALWAYS),
-        make("slide", "llama3_8b", 8, slide_settings=GRAD_FP32),
-        make("slide", "llama3_3b", 8, slide_settings=GRAD_FP32),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
         *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
@@ -202,7 +198,7 @@ def _more() -> list[Case]:
 def _ladders() -> list[Case]:
     """The most informative ladders (~6 min): how far lightning-slide goes at 3B and 8B."""
     return [
-        ladder("slide", "llama3_3b", "micro_batch", (128, 256), time_cap_s=120),
+        ladder("slide", "llama3_3b", "micro_batch", (64, 96, 128), time_cap_s=120),
         ladder("slide", "llama3_8b", "micro_batch", (64, 96, 128), time_cap_s=130),
         ladder("slide", "llama3_8b", "seq_len", (32768, 65536, 131072), time_cap_s=130, steps_per_rung=1),
     ]
@@ -252,25 +248,24 @@ def _session3() -> list[Case]:
     return first + [case for case in _grid() if case.name not in {c.name for c in first}]
 
 
-def _session4() -> tuple[list[Case], list[Case], list[Case]]:
-    """Three GPU calls of under 9 minutes with the default window and recompute="auto": (a) the 3B target pair,
-    and what kept graphs buy against recompute="always"; (b) the 8B targets with their ceiling, and bf16
-    against fp32 gradient transfer, in one run; (c) bf16 against fp32 gradient transfer again
-    (larger widening pieces), the ladders, the disk tier, the grid."""
+def _session4() -> tuple[list[Case], list[Case]]:
+    """GPU calls of under 9 minutes with the default window and recompute="auto": (a) the 3B target pair, and
+    what kept graphs buy against recompute="always"; (b) the 8B targets with their ceiling. Then `next`: what
+    the fourth session's device time did not reach (the 8B long-sequence ladder first)."""
     a = [CASES[name] for name in (
         "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_1b-mb32-cap24-slide-cpu",
         "llama3_1b-mb32-cap24-slide-cpu-recompute-always", "llama3_1b-mb32-capnone-ceiling",
         "llama3_3b-mb8-cap24-slide-cpu-recompute-always")]
     b = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu",
-        "llama3_8b-mb8-cap24-slide-cpu-grad-fp32", "llama3_3b-mb8-cap24-slide-cpu",
-        "llama3_3b-mb8-cap24-slide-cpu-grad-fp32")]
-    c = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-grad-fp32",
-        "llama3_3b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq",
-        "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-slide-cpu-grad-fp32",
+        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu")]
+    return a, b
+
+
+def _next() -> list[Case]:
+    first = [CASES[name] for name in (
+        "probe", "llama3_8b-cap24-slide-cpu-max-seq", "llama3_3b-cap24-slide-cpu-max-mb",
         "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
-    return a, b, c + [case for case in _grid() if case.name not in {c.name for c in a + b + c}]
+    return first + [case for case in _grid() if case.name not in {c.name for c in first}]
 
 
 def _smoke() -> list[Case]:
@@ -305,7 +300,8 @@ SUITES: dict[str, list[Case]] = {
 CASES: dict[str, Case] = {c.name: c for suite in SUITES.values() for c in suite}
 SUITES["session2"] = _session2()
 SUITES["session3"] = _session3()
-SUITES["session4a"], SUITES["session4b"], SUITES["session4c"] = _session4()
+SUITES["session4a"], SUITES["session4b"] = _session4()
+SUITES["next"] = _next()
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
                          + SUITES["ladders-rest"])
 

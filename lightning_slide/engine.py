@@ -268,13 +268,12 @@ class SlideEngine:
         self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
         on_disk = disk_units([s.trainable_numel for s in self.storages], config.nvme_moments or 0.0) if self.tier and training else []
         self.moments = Moments(self.storages, on_disk, self.tier, chunk, self.failure)
-        wire = dtype if config.grad_transfer == "compute" else torch.float32
-        self.adam = LayerAdam(self.storages, self.moments, self.failure, widen=training and wire != torch.float32)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
                              self.h2d, self.adam, training, config.chunk_elems)
         pin = device.type == "cuda"
-        widen_on = device if device.type == "cuda" and dtype != wire else None
-        self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure, wire), self.d2h, self.adam,
+        widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
+        self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
                              self.failure, widen_on) if training else None
         self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
                                           self.tier, self.failure)

@@ -83,57 +83,39 @@ def validate_optimizer(optimizer: Optimizer) -> None:
             raise ValueError("Adam(capturable=True) / Adam(differentiable=True) are not supported by slideformer.")
 
 
-WIDEN_ELEMS = 1 << 22  # low-precision gradients are widened to fp32 this many at a time: 16 MiB, 1 MiB per
-# thread of a 16-thread update, in its L2. Each piece costs two parallel regions (widen, update); with 1 << 20
-# the 8B micro-batch-8 update ran 0.33 s per step slower than with fp32 transfer on the H200 host (one run),
-# about what 16k fork/joins per step cost.
-
-
 def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, exp_avg: torch.Tensor,
-          exp_avg_sq: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+          exp_avg_sq: torch.Tensor) -> None:
     """AdamW over [start, start + len(grad)) of a unit's trainable range, one fused call per group segment.
 
-    `exp_avg`/`exp_avg_sq` cover the same range (views of RAM, or buffers read from the disk tier). A
-    low-precision `grad` goes through `scratch` (fp32) piece by piece: each piece is widened and consumed
-    while it is still in the CPU's caches, so host memory sees 2 bytes per gradient instead of 4.
+    `exp_avg`/`exp_avg_sq` cover the same range (views of RAM, or buffers read from the disk tier).
     """
     end = start + grad.numel()
-    widen = grad.dtype != storage.master.dtype
     for seg in storage.segments:
         a, b = max(start, seg.start), min(end, seg.end)
-        step = scratch.numel() if widen else b - a
-        for lo in range(a, b, max(step, 1)):
-            hi = min(lo + step, b)
-            g = grad[lo - start : hi - start]
-            if widen:
-                g = scratch[: hi - lo].copy_(g)
-            _fused(storage, plan.groups[seg.group], plan, lo, hi, g, exp_avg[lo - start : hi - start],
-                   exp_avg_sq[lo - start : hi - start])
+        if a >= b:
+            continue
+        h = plan.groups[seg.group]
+        update = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+        local = slice(a - start, b - start)
+        update(
+            [storage.master[a:b]],
+            [grad[local]],
+            [exp_avg[local]],
+            [exp_avg_sq[local]],
+            [storage.max_exp_avg_sq[a:b]] if h.amsgrad else [],
+            [plan.step_tensor],
+            amsgrad=h.amsgrad,
+            lr=h.lr,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            weight_decay=h.weight_decay,
+            eps=h.eps,
+            maximize=h.maximize,
+            grad_scale=plan.grad_scale,
+            found_inf=None,
+        )
     if storage.shadow is not None:
         storage.shadow[start:end].copy_(storage.master[start:end])
-
-
-def _fused(storage: UnitStorage, h: GroupHyper, plan: StepPlan, a: int, b: int, grad: torch.Tensor,
-           exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-    """torch's fused Adam/AdamW kernel on master[a:b]."""
-    update = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
-    update(
-        [storage.master[a:b]],
-        [grad],
-        [exp_avg],
-        [exp_avg_sq],
-        [storage.max_exp_avg_sq[a:b]] if h.amsgrad else [],
-        [plan.step_tensor],
-        amsgrad=h.amsgrad,
-        lr=h.lr,
-        beta1=h.beta1,
-        beta2=h.beta2,
-        weight_decay=h.weight_decay,
-        eps=h.eps,
-        maximize=h.maximize,
-        grad_scale=plan.grad_scale,
-        found_inf=None,
-    )
 
 
 @dataclass
@@ -162,15 +144,12 @@ class DeferredUpdate:
 class LayerAdam:
     """Owns the unit storages' optimizer state and the thread that updates them.
 
-    `widen`: gradients arrive in a low-precision dtype (SlideConfig.grad_transfer="compute").
-
     `scheduled[u]` counts updates launched for unit u, `applied[u]` those finished: a unit's weights may be
     loaded for compute only when the two agree.
     """
 
-    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure, widen: bool = False) -> None:
+    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure) -> None:
         self.storages, self.moments = storages, moments
-        self.scratch = torch.empty(WIDEN_ELEMS) if widen else None  # fp32 pieces of low-precision gradients
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
@@ -208,7 +187,7 @@ class LayerAdam:
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
         exp_avg, exp_avg_sq, done = self.moments.open(unit, start, grad.numel())
-        adam_(self.storages[unit], plan, start, grad, exp_avg, exp_avg_sq, self.scratch)
+        adam_(self.storages[unit], plan, start, grad, exp_avg, exp_avg_sq)
         done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:

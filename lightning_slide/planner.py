@@ -21,7 +21,6 @@ from torch import nn
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.config import SlideConfig
-from lightning_slide.layer_adam import WIDEN_ELEMS
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.tiers import align
 from lightning_slide.window import GRAD_BUFFERS
@@ -321,16 +320,13 @@ def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
 
 
 def _transfer(shape: ModelShape, setup: Setup) -> list[Entry]:
-    """transfer.py: the gradient landing ring (pinned on CUDA) and where gradients are widened to fp32."""
+    """transfer.py: the gradient landing ring (pinned on CUDA) and the device-side fp32 widening buffer."""
     if not setup.training:
         return []
     chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
-    wire = setup.compute_bytes if setup.config.grad_transfer == "compute" else 4
-    entries = [Entry(f"gradient landing ring ({setup.config.grad_buffers} chunks, {wire} B/elem)", setup.pinned,
-                     setup.config.grad_buffers * chunk * wire, "fewer grad_buffers or a smaller chunk_elems")]
-    if wire < 4:
-        entries.append(Entry("fp32 widening pieces of the CPU optimizer", "ram", 4 * WIDEN_ELEMS, ""))
-    elif setup.cuda and setup.low_precision:
+    entries = [Entry(f"gradient landing ring ({setup.config.grad_buffers} x fp32 chunk)", setup.pinned,
+                     setup.config.grad_buffers * chunk * 4, "fewer grad_buffers or a smaller chunk_elems")]
+    if setup.cuda and setup.low_precision:
         entries.append(Entry("fp32 gradient widening buffer", "gpu", chunk * 4, "a smaller chunk_elems"))
     return entries
 

@@ -20,11 +20,10 @@ from lightning_slide.threads import Failure, Worker
 
 
 class LandingRing:
-    """`count` pinned buffers of `elems` each (of the dtype gradients cross in), handed out in order and returned
-    by the optimizer."""
+    """`count` pinned fp32 buffers of `elems` each, handed out in order and returned by the optimizer."""
 
-    def __init__(self, count: int, elems: int, pin: bool, failure: Failure, dtype: torch.dtype = torch.float32) -> None:
-        self.buffers = [torch.empty(elems, dtype=dtype, pin_memory=pin) for _ in range(count)]
+    def __init__(self, count: int, elems: int, pin: bool, failure: Failure) -> None:
+        self.buffers = [torch.empty(elems, pin_memory=pin) for _ in range(count)]
         self.events = [torch.cuda.Event() if pin else None for _ in range(count)]
         self._free = deque(range(count))
         self._lock = threading.Lock()
@@ -61,8 +60,8 @@ class Dispatch:
 class GradPump:
     """The copy thread: chunks each dispatched gradient through the landing ring to Layer-Adam.
 
-    Gradients cross in the landing ring's dtype: the compute dtype by default (Layer-Adam widens them in its
-    caches), or fp32, widened on the device one chunk at a time on their way out (`widen_on`).
+    Low-precision gradients are widened to fp32 on the device, one chunk at a time, on their way out: the
+    CPU optimizer reads fp32 without a conversion pass over host memory, and GPU slots stay half the size.
     """
 
     def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure, widen_on: torch.device | None) -> None:
@@ -92,4 +91,4 @@ class GradPump:
                               item.accumulate, item.update, last=end == n)
                 )
             item.done(self.d2h.record())
-        self.bytes += n * self.ring.buffers[0].element_size()
+        self.bytes += n * 4

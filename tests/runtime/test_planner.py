@@ -35,8 +35,7 @@ def _engine_bytes(engine: SlideEngine) -> int:
     slots = [s.params for s in [*window.ring, *window.dedicated.values()]] + [
         b.grads for b in [*window.grad_ring, *window.grad_buffers.values()]]
     landing = engine.pump.ring.buffers if engine.pump else []
-    widening = [engine.adam.scratch] if engine.adam is not None else []
-    return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing, *widening] if t is not None)
+    return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing] if t is not None)
 
 
 @pytest.mark.parametrize(
