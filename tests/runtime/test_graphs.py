@@ -82,3 +82,11 @@ def test_always_never_keeps_and_never_always_keeps():
         budget.allow(1e12)
     assert always.admit("part", 1) is None
     assert never.admit("part", 10**9) == 0
+
+
+def test_kept_graphs_beside_the_disk_tier_train_bit_identically_to_recomputing(tmp_path):
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    disk = dict(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, activations="nvme", chunk_elems=1024)
+    recomputed = fit(model, batches, SlideStrategy(recompute="always", **disk), STEPS)
+    kept = fit(model, batches, SlideStrategy(recompute="never", **disk), STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(_params(recomputed.model), _params(kept.model)))
