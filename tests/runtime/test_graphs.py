@@ -90,3 +90,11 @@ def test_kept_graphs_beside_the_disk_tier_train_bit_identically_to_recomputing(t
     recomputed = fit(model, batches, SlideStrategy(recompute="always", **disk), STEPS)
     kept = fit(model, batches, SlideStrategy(recompute="never", **disk), STEPS)
     assert all(torch.equal(a, b) for a, b in zip(_params(recomputed.model), _params(kept.model)))
+
+
+def test_auto_recomputes_everything_off_cuda():
+    strategy = SlideStrategy()  # recompute="auto": no device memory to spend on the CPU
+    kept = []
+    strategy.teardown = lambda: (kept.append(strategy.engine.stats()["kept_graphs"]), SlideStrategy.teardown(strategy))
+    fit(tiny_model("llama"), token_batches(STEPS), strategy, STEPS)
+    assert kept == [0]
