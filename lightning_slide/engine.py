@@ -30,12 +30,12 @@ from lightning_slide.config import SlideConfig
 from lightning_slide.graphs import GraphBudget, SlotViews
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
-from lightning_slide.moments import Moments, disk_units
+from lightning_slide.moments import Moments, disk_units, unit_file
 from lightning_slide.planner import available_vram
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
-from lightning_slide.tiers import TierDirectory
+from lightning_slide.tiers import DiskFile, TierDirectory
 from lightning_slide.transfer import Dispatch, GradPump, LandingRing
 from lightning_slide.window import GradBuffer, Slot, Window
 
@@ -255,7 +255,11 @@ class SlideEngine:
         specs = causal_lm_units(self.model)
         group_of = _group_index(optimizer, root) if optimizer is not None else {}
         owner, owned = _ownership(specs)
-        self.storages = [UnitStorage(i, spec.name, owned[i], group_of) for i, spec in enumerate(specs)]
+        training = optimizer is not None
+        self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
+        files = self._disk_files(specs, owned, group_of) if self.tier and training else {}
+        self.storages = [UnitStorage(i, spec.name, owned[i], group_of, files.get(i) if config.nvme_master else None)
+                         for i, spec in enumerate(specs)]
         materialize_(self.model, [spec.parts for spec in specs], set().union(*(s.placeholders for s in self.storages)),
                      device)
         self.parts = [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
@@ -263,11 +267,8 @@ class SlideEngine:
         self._move_buffers(root)
         self.compute = Lane(device, side=False)
         self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
-        training = optimizer is not None
         chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
-        self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
-        on_disk = disk_units([s.trainable_numel for s in self.storages], config.nvme_moments or 0.0) if self.tier and training else []
-        self.moments = Moments(self.storages, on_disk, self.tier, chunk, self.failure)
+        self.moments = Moments(self.storages, files, chunk, self.failure)
         self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
                              self.h2d, self.adam, training, config.chunk_elems)
@@ -285,6 +286,7 @@ class SlideEngine:
         self._dispatched = 0
         self._step = 0
         self._adapted = False
+        self.adaptation: str | None = None  # what the first step's adaptation did, for the log
         self.graphs = GraphBudget(config.recompute)
         self._step_tensor = torch.tensor(0.0)
         self._tape_position = 0
@@ -326,10 +328,18 @@ class SlideEngine:
         )
         return Part(unit, module, module.forward, bindings, needs_rng, module.__dict__.get("forward"))
 
+    def _disk_files(self, specs: list, owned: list[list[nn.Parameter]], group_of: dict[int, int]) -> dict[int, DiskFile]:
+        """The disk-tier file of each unit whose moments (and, with nvme_master, fp32 master) live on disk."""
+        numel = [sum(p.numel() for p in params) for params in owned]
+        trainable = [sum(p.numel() for p in params if id(p) in group_of) for params in owned]
+        return {u: unit_file(self.tier, u, specs[u].name, numel[u] if self.config.nvme_master else 0, trainable[u])
+                for u in disk_units(trainable, self.config.nvme_moments or 0.0)}
+
     def _add_host_state(self, optimizer: Optimizer | None) -> None:
+        """A master on disk is loaded from a pinned copy in the compute dtype (the shadow), refreshed by updates."""
         amsgrad = optimizer is not None and any(g["amsgrad"] for g in optimizer.param_groups)
         for s in self.storages:
-            if self.config.h2d_source == "shadow" and self.dtype != torch.float32:
+            if s.on_disk or (self.config.h2d_source == "shadow" and self.dtype != torch.float32):
                 s.add_shadow(self.dtype)
             if self.needs_acc and optimizer is not None:
                 s.add_grad_accumulator()
@@ -477,14 +487,16 @@ class SlideEngine:
         kept (there is no device memory to spend).
         """
         grow = self.window.blocks - len(self.window.ring) if self.config.slots == "auto" else 0
-        if self.device.type != "cuda":
-            self.window.grow(grow)
-            return
-        limit = available_vram(self.device) + torch.cuda.memory_allocated(self.device)
-        spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
-        grow = max(0, min(grow, int(spare // max(self.window.slot_bytes, 1))))
+        if self.device.type == "cuda":
+            limit = available_vram(self.device) + torch.cuda.memory_allocated(self.device)
+            spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
+            grow = max(0, min(grow, int(spare // max(self.window.slot_bytes, 1))))
+            self.graphs.allow(spare - grow * self.window.slot_bytes)
         self.window.grow(grow)
-        self.graphs.allow(spare - grow * self.window.slot_bytes)
+        graphs = ("every part keeps its graph" if math.isinf(self.graphs.limit)
+                  else f"{self.graphs.limit / 2**30:.2f} GiB for kept graphs (recompute={self.config.recompute!r})")
+        self.adaptation = (f"{len(self.window.ring)} of {self.window.blocks} blocks have a GPU slot "
+                           f"({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
 
     def _launch_deferred(self, plan: StepPlan) -> None:
         """All gradients summed on the host: clip by the global norm, then update in forward order."""

@@ -83,11 +83,12 @@ def validate_optimizer(optimizer: Optimizer) -> None:
             raise ValueError("Adam(capturable=True) / Adam(differentiable=True) are not supported by slideformer.")
 
 
-def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, exp_avg: torch.Tensor,
-          exp_avg_sq: torch.Tensor) -> None:
+def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, master: torch.Tensor,
+          exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
     """AdamW over [start, start + len(grad)) of a unit's trainable range, one fused call per group segment.
 
-    `exp_avg`/`exp_avg_sq` cover the same range (views of RAM, or buffers read from the disk tier).
+    `master`, `exp_avg` and `exp_avg_sq` cover the same range (views of RAM, or buffers read from the disk
+    tier); the shadow copy that loads read is refreshed from `master` while it is at hand.
     """
     end = start + grad.numel()
     for seg in storage.segments:
@@ -98,7 +99,7 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, 
         update = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
         local = slice(a - start, b - start)
         update(
-            [storage.master[a:b]],
+            [master[local]],
             [grad[local]],
             [exp_avg[local]],
             [exp_avg_sq[local]],
@@ -115,7 +116,7 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, 
             found_inf=None,
         )
     if storage.shadow is not None:
-        storage.shadow[start:end].copy_(storage.master[start:end])
+        storage.shadow[start:end].copy_(master)
 
 
 @dataclass
@@ -186,8 +187,8 @@ class LayerAdam:
             self._finish(item.unit)
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
-        exp_avg, exp_avg_sq, done = self.moments.open(unit, start, grad.numel())
-        adam_(self.storages[unit], plan, start, grad, exp_avg, exp_avg_sq)
+        state, done = self.moments.open(unit, start, grad.numel())
+        adam_(self.storages[unit], plan, start, grad, *state)
         done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Where each unit's Adam moments live: RAM, or the disk tier, streamed through the optimizer thread.
 
-A unit on disk keeps `exp_avg | exp_avg_sq` in its own preallocated file. The optimizer thread updates it
+A unit on disk keeps `exp_avg | exp_avg_sq` in its own preallocated file, after its fp32 master when that
+goes to disk too (`nvme_master`: `master | exp_avg | exp_avg_sq`). The optimizer thread updates it
 chunk by chunk (the chunks its gradient arrives in): when a step starts, the order of its updates is known
-(backward order, or forward order for deferred updates), so the reader fetches the moments of the next
+(backward order, or forward order for deferred updates), so the reader fetches the state of the next
 chunks while earlier ones are being updated, and each updated chunk is written behind. The unit's
-`exp_avg`/`exp_avg_sq` are shared mappings of the same file, which is what the optimizer's state_dict (and
-so every checkpoint) reads: nothing of it is resident in RAM during training.
+`exp_avg`/`exp_avg_sq` (and master) are shared mappings of the same file, which is what the optimizer's
+state_dict, the module's parameters and so every checkpoint read: nothing of it is resident in RAM during
+training.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from lightning_slide.storage import UnitStorage
 from lightning_slide.threads import Failure
-from lightning_slide.tiers import Region, Spill, TierDirectory
+from lightning_slide.tiers import DiskFile, Region, Spill, TierDirectory
 
 READ_AHEAD = 3  # chunk buffers: one being updated, the rest filling or draining
 
@@ -36,27 +38,36 @@ def disk_units(trainable: Sequence[int], fraction: float) -> list[int]:
     return chosen
 
 
-class Moments:
-    """Hands the optimizer thread each chunk's moments (RAM views, or disk buffers) and takes them back."""
+def unit_file(directory: TierDirectory, index: int, name: str, master: int, trainable: int) -> DiskFile:
+    """The disk-tier file of one unit: `master` fp32 master elements (0 when it stays in RAM), then the moments."""
+    label = "state" if master else "moments"
+    return directory.create(f"{label}-{index:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.bin",
+                            4 * master + 8 * trainable)
 
-    def __init__(self, storages: list[UnitStorage], on_disk: list[int], directory: TierDirectory | None,
-                 chunk: int, failure: Failure) -> None:
-        self.storages, self.chunk, self.on_disk = storages, chunk, set(on_disk)
-        self.spill = Spill("Adam moments", READ_AHEAD, 8 * chunk, False, failure) if on_disk else None
+
+class Moments:
+    """Hands the optimizer thread each chunk's master and moments (RAM views, or disk buffers) and takes them
+    back. `files` holds the disk units' files (`unit_file`); a unit whose storage maps its master from its file
+    (`UnitStorage.on_disk`) has the master read and written with its moments."""
+
+    def __init__(self, storages: list[UnitStorage], files: dict[int, DiskFile], chunk: int, failure: Failure) -> None:
+        self.storages, self.chunk, self.on_disk = storages, chunk, set(files)
+        width = 12 if any(storages[u].on_disk for u in files) else 8
+        self.spill = Spill("Adam state", READ_AHEAD, width * chunk, False, failure) if files else None
         for s in storages:
-            if s.index in self.on_disk:
-                self._map(s, directory)
+            if s.index in files:
+                self._map(s, files[s.index])
             elif s.trainable_numel:
                 s.add_moments()
 
-    def _map(self, s: UnitStorage, directory: TierDirectory) -> None:
-        t = s.trainable_numel
-        file = directory.create(f"moments-{s.index:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', s.name)}.bin", 8 * t)
-        mapped = file.map(2 * t)
-        s.exp_avg, s.exp_avg_sq = mapped[:t], mapped[t:]
-        for start, n in self.spans(s.index):
-            self.spill.regions[(s.index, start)] = (
-                Region(file, 4 * start, 4 * n), Region(file, 4 * (t + start), 4 * n, 4 * self.chunk))
+    def _map(self, s: UnitStorage, file: DiskFile) -> None:
+        t, m = s.trainable_numel, s.numel if s.on_disk else 0
+        mapped = file.map(m + 2 * t)
+        s.exp_avg, s.exp_avg_sq = mapped[m : m + t], mapped[m + t :]
+        bases = ([0] if m else []) + [m, m + t]  # where [master,] exp_avg and exp_avg_sq start in the file
+        for start, n in self.spans(s.index):  # ... and in a chunk's buffer: one chunk apart
+            self.spill.regions[(s.index, start)] = tuple(
+                Region(file, 4 * (base + start), 4 * n, 4 * self.chunk * i) for i, base in enumerate(bases))
 
     def spans(self, unit: int) -> list[tuple[int, int]]:
         """(start, length) of each update of `unit`: chunks on disk, the whole trainable range in RAM."""
@@ -70,14 +81,16 @@ class Moments:
         if self.spill is not None:
             self.spill.plan((u, start) for u in units if u in self.on_disk for start, _ in self.spans(u))
 
-    def open(self, unit: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
-        """exp_avg and exp_avg_sq of [start, start + n) of `unit`, and the call that hands them back."""
+    def open(self, unit: int, start: int, n: int) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """[master, exp_avg, exp_avg_sq] of [start, start + n) of `unit`, and the call that hands them back."""
         s = self.storages[unit]
         if unit not in self.on_disk:
-            return s.exp_avg[start : start + n], s.exp_avg_sq[start : start + n], _nothing
+            return [t[start : start + n] for t in (s.master, s.exp_avg, s.exp_avg_sq)], _nothing
         raw = self.spill.take((unit, start))
         flat = raw.view(torch.float32)
-        return flat[:n], flat[self.chunk : self.chunk + n], partial(self.spill.write_back, (unit, start), raw)
+        parts = [flat[i * self.chunk : i * self.chunk + n] for i in range(3 if s.on_disk else 2)]
+        return ([] if s.on_disk else [s.master[start : start + n]]) + parts, partial(
+            self.spill.write_back, (unit, start), raw)
 
     def drain(self) -> float:
         return self.spill.drain() if self.spill is not None else 0.0

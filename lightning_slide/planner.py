@@ -254,29 +254,35 @@ def _saved_inputs_go(setup: Setup, acts: int, gpu_left: int | None) -> str:
 
 
 def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
-    """storage.py + moments.py: fp32 master (pinned on CUDA), Adam moments (RAM or disk), optional extras."""
+    """storage.py + moments.py: fp32 master (pinned on CUDA, or on disk), Adam moments (RAM or disk), extras."""
     n, t = shape.numel, shape.trainable if setup.training else 0
-    on_disk = _moments_on_disk(shape, setup)
-    disk_bytes = sum(align(8 * shape.units[u].trainable) for u in on_disk)
-    on_disk = sum(shape.units[u].trainable for u in on_disk)
+    disk_units = [shape.units[u] for u in _moments_on_disk(shape, setup)]
+    master_on_disk = sum(u.numel for u in disk_units) if setup.config.nvme_master else 0
+    moments_on_disk = sum(u.trainable for u in disk_units)
     more_disk = ("a larger nvme_moments" if setup.config.offload == "nvme"
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     entries = [
-        Entry("fp32 master weights", setup.pinned, 4 * n, "a smaller model (the master stays in RAM)"),
-        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * (t - on_disk), more_disk),
+        Entry("fp32 master weights", setup.pinned, 4 * (n - master_on_disk),
+              "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
+        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * (t - moments_on_disk), more_disk),
     ]
-    if on_disk:
+    if disk_units:
+        width = 12 if master_on_disk else 8
         chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
-        entries += [Entry("Adam exp_avg + exp_avg_sq on disk", "disk", disk_bytes, "a smaller nvme_moments"),
-                    Entry(f"moment read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * 8 * chunk,
+        what = "fp32 master + Adam moments" if master_on_disk else "Adam exp_avg + exp_avg_sq"
+        entries += [Entry(f"{what} on disk", "disk", sum(align(4 * u.numel * bool(master_on_disk) + 8 * u.trainable)
+                                                         for u in disk_units), "a smaller nvme_moments"),
+                    Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * width * chunk,
                           "a smaller chunk_elems")]
     if setup.training and setup.grad_sums:
         entries.append(Entry("fp32 gradient sums", "ram", 4 * t,
                             "accumulate_grad_batches=1, no gradient clipping and automatic optimization"))
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))
-    if setup.config.h2d_source == "shadow" and setup.low_precision:
-        entries.append(Entry("bf16 shadow weights", setup.pinned, 2 * n, "h2d_source='master'"))
+    shadowed = n if setup.config.h2d_source == "shadow" and setup.low_precision else master_on_disk
+    if shadowed:
+        entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
+                             setup.compute_bytes * shadowed, "h2d_source='master'" if shadowed == n else ""))
     return entries
 
 

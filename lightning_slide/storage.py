@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_slide.tiers import DiskFile
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -38,13 +40,15 @@ def unpin_(tensor: torch.Tensor) -> None:
 class UnitStorage:
     """Host-side state of one unit.
 
-    `master` holds every parameter the unit owns (fp32); `exp_avg`/`exp_avg_sq` cover the trainable prefix
-    (in RAM, or mapped from the disk tier: `moments.py` decides).
+    `master` holds every parameter the unit owns (fp32): pinned RAM, or, given `master_file` (the unit's
+    disk-tier file, nvme_master), a shared mapping of the file's first `numel` elements (never pinned); `exp_avg`/`exp_avg_sq` cover the trainable
+    prefix (in RAM, or mapped from the disk tier: `moments.py` decides).
     After construction each owned `nn.Parameter` is a view into `master`, so the user's optimizer, the
     module's state_dict and the checkpoint all see the master weights without a copy.
     """
 
-    def __init__(self, index: int, name: str, params: list[nn.Parameter], group_of: dict[int, int]) -> None:
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], group_of: dict[int, int],
+                 master_file: DiskFile | None = None) -> None:
         self.index, self.name = index, name
         trainable = sorted((p for p in params if id(p) in group_of), key=lambda p: group_of[id(p)])
         frozen = [p for p in params if id(p) not in group_of]
@@ -63,20 +67,20 @@ class UnitStorage:
             offset += p.numel()
         self.numel = offset
         self.trainable_numel = self.segments[-1].end if self.segments else 0
-        self.master = self._adopt(self.params)
-        self.pinned = pin_(self.master)
+        self.on_disk = master_file is not None
+        self.master = self._adopt(self.params, master_file.map(self.numel) if self.on_disk else torch.empty(self.numel))
+        self.pinned = not self.on_disk and pin_(self.master)
         self.exp_avg = self.exp_avg_sq = torch.empty(0)
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.shadow: torch.Tensor | None = None
         self.grad_acc: torch.Tensor | None = None
 
-    def _adopt(self, params: list[nn.Parameter]) -> torch.Tensor:
+    def _adopt(self, params: list[nn.Parameter], master: torch.Tensor) -> torch.Tensor:
         """Copy parameters into one buffer and repoint them at it; frees each original as it goes.
 
         A meta-device parameter (a placeholder, see `materialize.py`) becomes a view of uninitialised
         master memory, keeping its identity (the optimizer already holds it); it is listed in `placeholders`.
         """
-        master = torch.empty(self.numel, dtype=torch.float32)
         self.placeholders: set[int] = set()
         for p in params:
             view = self.view(master, p)

@@ -175,7 +175,8 @@ class SlideStrategy(SingleDeviceStrategy):
         rank_zero_info(self.plan.describe())
         if self.config.offload == "nvme":
             rank_zero_info(f"slideformer disk tier: {backend_name()}, files under {self.config.nvme_path}, "
-                           f"{self.config.nvme_moments:.0%} of the Adam moments on disk")
+                           f"{self.config.nvme_moments:.0%} of the Adam moments on disk"
+                           + (" with their units' fp32 master weights" if self.config.nvme_master else ""))
         self.plan.check(resources)
 
     def _validate(self, trainer: Trainer, module: LightningModule) -> None:
@@ -223,6 +224,9 @@ class SlideStrategy(SingleDeviceStrategy):
             return super().training_step(*args, **kwargs)
         if self._planned is not None:
             self._check_batch(args[0] if args else None)
+        if self.engine.adaptation is not None:  # once, after the first step sized the window and kept graphs
+            rank_zero_info(f"slideformer after the first step: {self.engine.adaptation}")
+            self.engine.adaptation = None
         self.engine.new_micro_batch()
         return super().training_step(*args, **kwargs)
 

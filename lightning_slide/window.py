@@ -67,7 +67,7 @@ class Window:
         self.grad_buffers = {i: GradBuffer(storages[i].numel, dtype, device) for i in self.dedicated} if with_grads else {}
         self.grad_ring = [GradBuffer(self.capacity, dtype, device) for _ in range(GRAD_BUFFERS)] if with_grads else []
         self._next_grads = 0
-        needs_cast = device.type == "cuda" and dtype != torch.float32 and storages[0].shadow is None
+        needs_cast = device.type == "cuda" and dtype != torch.float32 and any(s.shadow is None for s in storages)
         largest = max(s.numel for s in storages)
         self.staging = torch.empty(min(staging_elems, largest), device=device) if needs_cast else None
         self.bytes = 0

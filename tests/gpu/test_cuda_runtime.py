@@ -22,9 +22,10 @@ def test_fp32_on_cuda_matches_adamw_without_kernels():
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096), dict(slots="auto"),
+    [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096),
+     dict(offload="nvme", nvme_moments=0.5, nvme_master=True, chunk_elems=4096), dict(slots="auto"),
      dict(recompute="never", slots=2)],
-    ids=["disk-tier", "auto-window", "kept-graphs-two-slots"],
+    ids=["disk-tier", "master-on-disk", "auto-window", "kept-graphs-two-slots"],
 )
 def test_every_tier_and_window_on_cuda_gives_the_cpu_tiers_parameters(settings, tmp_path):
     from lightning_slide import SlideStrategy

@@ -77,3 +77,15 @@ def test_a_resumed_run_grows_its_auto_window_after_its_own_first_step():
     engine.end_step()
     assert len(engine.window.ring) == 6
     engine.close()
+
+
+def test_the_log_says_how_the_first_step_sized_the_window_and_kept_graphs(caplog):
+    import logging
+
+    from tests.runtime.helpers import fit
+
+    with caplog.at_level(logging.INFO):
+        fit(tiny_model("llama", num_hidden_layers=6), token_batches(3), "slideformer", 3)
+    lines = [r.getMessage() for r in caplog.records if "after the first step" in r.getMessage()]
+    assert lines == ["slideformer after the first step: 6 of 6 blocks have a GPU slot (3 added, 0.00 GiB); "
+                     "0.00 GiB for kept graphs (recompute='auto')"]

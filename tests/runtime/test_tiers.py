@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
+from transformers import LlamaConfig
 
 import lightning_slide.planner as planner
 import lightning_slide.tiers as tiers
@@ -15,6 +16,7 @@ from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import ModelShape, Plan, PlanError, Resources, Setup, fit_moments
 from lightning_slide.threads import Failure, WorkerError
 from lightning_slide.tiers import DiskTierError, Region, Spill, TierDirectory
+from tests.runtime.test_planner import SMALL
 from tests.runtime.helpers import CausalLM, fit, param_groups, tiny_model, token_batches, trainer
 
 STEPS = 4
@@ -55,6 +57,32 @@ def test_deferred_updates_with_part_of_the_moments_on_disk_match_the_ram_tier(io
     assert _same_parameters(in_ram.model, on_disk.model)
 
 
+def test_master_and_moments_on_disk_give_the_same_parameters_as_the_ram_tier(io_backend, tmp_path):
+    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
+    in_ram = fit(model, batches, SlideStrategy(chunk_elems=1024), STEPS)
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0,
+                                                nvme_master=True, chunk_elems=1024), STEPS)
+    assert _same_parameters(in_ram.model, on_disk.model)
+    assert _files(tmp_path) == []
+
+
+def test_deferred_updates_with_half_the_master_on_disk_match_the_ram_tier(tmp_path):
+    model, batches = tiny_model("llama"), token_batches(STEPS * 2)
+    in_ram = fit(model, batches, "slideformer", STEPS, accumulate=2, clip=0.5)
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.5,
+                                                nvme_master=True), STEPS, accumulate=2, clip=0.5)
+    assert _same_parameters(in_ram.model, on_disk.model)
+
+
+def test_bf16_loads_from_the_shadow_of_a_master_on_disk_match_the_ram_tier(tmp_path):
+    """The pinned bf16 copy a disk master is loaded from rounds exactly as casting the RAM master does."""
+    model, batches = tiny_model("mistral"), token_batches(STEPS)
+    in_ram = fit(model, batches, "slideformer", STEPS, precision="bf16-mixed")
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0,
+                                                nvme_master=True), STEPS, precision="bf16-mixed")
+    assert _same_parameters(in_ram.model, on_disk.model)
+
+
 def test_activations_on_disk_give_the_same_parameters_as_on_the_device(io_backend, tmp_path):
     model, batches = tiny_model("mistral"), token_batches(STEPS * 2)
     on_device = fit(model, batches, "slideformer", STEPS, accumulate=2)
@@ -73,9 +101,10 @@ def test_larger_inputs_get_larger_disk_regions_and_the_old_files_go(tmp_path):
     assert _files(tmp_path) == []
 
 
-def test_resuming_a_disk_tier_checkpoint_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("master", [False, True], ids=["moments", "master-and-moments"])
+def test_resuming_a_disk_tier_checkpoint_equals_an_uninterrupted_run(master, tmp_path):
     model, batches = tiny_model("qwen3"), token_batches(4)
-    strategy = dict(offload="nvme", nvme_path=str(tmp_path / "nvme"), nvme_moments=1.0)
+    strategy = dict(offload="nvme", nvme_path=str(tmp_path / "nvme"), nvme_moments=1.0, nvme_master=master)
     straight = CausalLM(copy.deepcopy(model))
     every_2 = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
     trainer(SlideStrategy(**strategy), 6, default_root_dir=tmp_path, enable_checkpointing=True,
@@ -173,18 +202,23 @@ def test_spill_reads_ahead_in_plan_order_and_writes_behind(io_backend, tmp_path)
     directory.close()
 
 
-def test_the_plan_counts_the_disk_tier_byte_for_byte(tmp_path):
+@pytest.mark.parametrize("master", [False, True], ids=["moments", "master-and-moments"])
+def test_the_plan_counts_the_disk_tier_byte_for_byte(master, tmp_path):
     model = tiny_model("qwen2-tied")
-    config = SlideConfig(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.6, chunk_elems=1024)
+    config = SlideConfig(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.6, nvme_master=master,
+                         chunk_elems=1024)
     optimizer = torch.optim.AdamW(param_groups(model))
     _, plan = planner.plan_for_run(model, optimizer, Setup(config, device="cpu", dtype=torch.float32))
     engine = SlideEngine(model, optimizer, config, torch.device("cpu"), torch.float32)
     assert plan.total("disk") == engine.tier.bytes > 0
+    assert any(s.on_disk for s in engine.storages) == master
     buffers = sum(b.numel() for b in engine.moments.spill.buffers)
-    in_ram = sum(4 * (s.master.numel() + (0 if s.index in engine.moments.on_disk else 2 * s.trainable_numel))
+    in_ram = sum(4 * ((0 if s.on_disk else s.master.numel()) + (0 if s.index in engine.moments.on_disk
+                                                                  else 2 * s.trainable_numel))
+                 + (s.shadow.numel() * s.shadow.element_size() if s.shadow is not None else 0)
                  for s in engine.storages)
-    host_state = sum(e.bytes for e in plan.entries if e.where == "ram" and ("master" in e.what or "Adam" in e.what
-                                                                             or "read-ahead" in e.what))
+    host_state = sum(e.bytes for e in plan.entries if e.where == "ram" and any(
+        word in e.what for word in ("master", "Adam", "read-ahead", "shadow")))
     assert host_state == in_ram + buffers
     engine.close()
 
@@ -199,6 +233,19 @@ def test_the_auto_fraction_puts_on_disk_only_what_ram_cannot_hold():
     assert 0 < tight < 1
     config = SlideConfig(offload="nvme", nvme_moments=tight, chunk_elems=1024)
     assert Plan.static(shape, Setup(config, device="cpu", dtype=torch.float32)).total("ram") <= 0.9 * 0.8 * everything
+
+
+def test_with_the_master_on_disk_too_less_of_the_model_must_go_to_disk_to_fit_the_same_ram():
+    shape = ModelShape.from_config(LlamaConfig(**SMALL))
+    setups = [Setup(SlideConfig(offload="nvme", nvme_master=m, chunk_elems=1024)) for m in (False, True)]
+    ram = Resources(ram=int(Plan.static(shape, setups[0]).total("ram", "pinned") * 0.6))
+    moments_only, with_master = (fit_moments(shape, setup, ram) for setup in setups)
+    assert 0 < with_master < moments_only < 1
+
+
+def test_nvme_master_without_the_disk_tier_is_a_clear_error():
+    with pytest.raises(ValueError, match="nvme_master.*offload='nvme'"):
+        SlideConfig(nvme_master=True)
 
 
 def test_nvme_moments_without_the_disk_tier_is_a_clear_error():
