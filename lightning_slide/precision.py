@@ -19,6 +19,12 @@ from torch import nn
 import lightning_slide.engine as engine_module
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
+OUT_OF_MEMORY = (
+    "slideformer: the GPU ran out of memory in a step whose plan fit at setup. To fit, change: recompute='always' "
+    "(kept graphs fill the VRAM the first step left spare), a fixed slots=N (slots='auto' grows into it too), "
+    "activations='cpu', or a smaller micro_batch or seq_len; if much of the memory above is reserved but "
+    "unallocated (fragmentation), start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+)
 
 
 class SlidePrecision(Precision):
@@ -58,7 +64,10 @@ class SlidePrecision(Precision):
         """The backward inside `closure` ends an accumulation window: the engine updates as gradients arrive."""
         engine = self.engine
         engine.begin_step()
-        result = closure()
+        try:
+            result = closure()
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(f"{error}\n{OUT_OF_MEMORY}") from error
         self._after_closure(model, optimizer)
         engine.end_step()
         optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (torch.optim.lr_scheduler)

@@ -104,3 +104,13 @@ def test_bad_settings_say_what_is_valid(settings, message):
 
 def test_settings_round_trip_through_the_config():
     assert SlideStrategy(slots=4, activations="cpu").config == SlideConfig(slots=4, activations="cpu")
+
+
+def test_running_out_of_gpu_memory_in_a_step_says_what_to_change():
+    class Oom(CausalLM):
+        def training_step(self, batch, batch_idx):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    with pytest.raises(torch.OutOfMemoryError, match="(?s)Tried to allocate 2.00 GiB.*recompute='always'.*"
+                                                     "expandable_segments:True"):
+        trainer("slideformer", 1).fit(Oom(tiny_model()), DataLoader(token_batches(1), batch_size=None))
