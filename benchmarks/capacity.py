@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--activations", default="auto", choices=["auto", "device", "cpu", "nvme"])
     parser.add_argument("--nvme-path", default="/tmp/lsbench-nvme")
     parser.add_argument("--nvme-moments", type=float, default=None, help="default: the least that fits RAM")
+    parser.add_argument("--nvme-master", action="store_true", help="the disk units' fp32 master on disk too")
     parser.add_argument("--out", default=".")
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
@@ -102,7 +103,8 @@ def main() -> None:
     tokens = torch.randint(0, vocab, (args.steps * args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     data = DataLoader([{"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t} for t in tokens],
                       batch_size=args.micro_batch)
-    disk = dict(nvme_path=str(folder), nvme_moments=args.nvme_moments) if args.offload == "nvme" else {}
+    disk = dict(nvme_path=str(folder), nvme_moments=args.nvme_moments,
+                nvme_master=args.nvme_master) if args.offload == "nvme" else {}
     strategy = SlideStrategy(offload=args.offload, activations=args.activations, slots="auto", **disk)
     trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=1,
                          precision="bf16-mixed" if device.type == "cuda" else "32-true",
@@ -135,7 +137,7 @@ def main() -> None:
             "total_gib": {w: plan.total(w) / GiB for w in ("gpu", "pinned", "ram", "disk")}},
         "engine": clock.stats,
     }
-    out = Path(args.out) / f"capacity-{args.model}-{args.offload}.json"
+    out = Path(args.out) / f"capacity-{args.model}-{args.offload}{'-master' if args.nvme_master else ''}.json"
     out.write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("ok", "error", "step_s", "tokens_per_s", "measured")}, indent=2))
 

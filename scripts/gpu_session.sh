@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py)
 #   bash scripts/gpu_session.sh bench   the throughput/memory suite (benchmarks/, `targets` by default)
 #   bash scripts/gpu_session.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
+#   bash scripts/gpu_session.sh capacity-master  8B with half the units' master and moments on disk
 # Writes logs and results under $OUT. Carried wheels (.whl/) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,10 @@ case "${1:-check}" in
     timeout 200 python3 -m benchmarks.capacity --model llama3_8b --steps 4 --micro-batch 8 --nvme-moments 0.1 \
       --activations nvme --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b.log"; tail -15 "$OUT/capacity-8b.log"
     df -h /tmp | tee -a "$OUT/machine.txt"
+    ;;
+  capacity-master)
+    timeout 300 python3 -m benchmarks.capacity --model llama3_8b --steps 3 --micro-batch 8 --nvme-moments 0.5 \
+      --nvme-master --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-master.log"; tail -15 "$OUT/capacity-8b-master.log"
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" --budget-s "${BUDGET:-540}" --commit "$COMMIT"
