@@ -243,6 +243,23 @@ def test_with_the_master_on_disk_too_less_of_the_model_must_go_to_disk_to_fit_th
     assert 0 < with_master < moments_only < 1
 
 
+@pytest.mark.parametrize("compat", [True, False], ids=["compat-mode", "gds-machine"])
+def test_the_log_names_the_io_path_the_tier_really_takes(compat, monkeypatch):
+    class Kvikio:
+        __version__ = "26.10.00"
+
+        class defaults:
+            @staticmethod
+            def is_compat_mode_preferred() -> bool:
+                return compat
+
+    monkeypatch.setattr(tiers, "_kvikio", lambda: Kvikio)
+    name = tiers.backend_name()
+    assert name.startswith("kvikio 26.10.00")
+    assert ("POSIX compatibility mode" in name) == compat
+    assert ("GPUDirect Storage available, unused" in name) == (not compat)
+
+
 def test_nvme_master_without_the_disk_tier_is_a_clear_error():
     with pytest.raises(ValueError, match="nvme_master.*offload='nvme'"):
         SlideConfig(nvme_master=True)
