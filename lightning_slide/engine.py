@@ -4,6 +4,7 @@ Each intercepted module call (a *part* of a unit) runs as one autograd node. Its
 weights into a slot, computes under no-grad and keeps only the part's input. Its backward fetches that
 input back, recomputes the part with its weights as fresh leaves, writes the weight gradients into the
 slot, and, once every part of a unit is done, hands the unit's gradient to the copy thread and Layer-Adam.
+Where device memory is spare, a call keeps its graph instead and its backward skips the recompute (`graphs.py`).
 The engine imports no Lightning: the strategy (or any plain loop) drives it through `begin_step`,
 `end_step`, `synchronize` and the state methods.
 """
@@ -104,7 +105,8 @@ _TENSOR = object()  # marks where an output tensor goes when a call's output str
 
 
 class _Call:
-    """One forward call of a part, remembered (its input only) until its backward."""
+    """One forward call of a part, remembered until its backward: its input (recomputed then), or, when the
+    graph budget admits it, its whole graph (`kept`)."""
 
     def __init__(self, engine: "SlideEngine", part: Part, args: tuple, kwargs: dict) -> None:
         self.engine, self.part = engine, part
@@ -144,7 +146,7 @@ class _Call:
         """Run the part with its inputs and trainable weights as fresh leaves, recording its graph.
 
         The graph saves slot tensors as places (`SlotViews`), so the slots may serve other units before the
-        backward; the hooks also measure what the graph keeps.
+        backward.
         """
         self.inputs = inputs
         leaves = list(self.leaves)
@@ -153,7 +155,7 @@ class _Call:
         trainable = [b for b in self.part.bindings if b.trainable]
         self.weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in trainable}
         self.views = SlotViews(slots)
-        with torch.enable_grad(), self.views:  # the graph keeps slot tensors as places
+        with torch.enable_grad(), self.views:
             return self.engine._compute(self.part, slots, leaves, self.spec, self.weights)
 
     def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
