@@ -29,6 +29,9 @@ class SlideConfig:
     h2d_source: what a unit load reads from host memory. "master": the pinned fp32 master, cast to the
         compute dtype on the GPU (no extra RAM, 4 PCIe bytes/param); "shadow": a pinned bf16 copy the
         optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
+    block_grad_buffers: GPU buffers, each one block in the compute dtype, that hold a block's gradient from its
+        backward until it has left for the CPU (>= 2: one being written, one leaving); more let the backward
+        run further ahead of a slower CPU update.
     chunk_elems: elements per gradient chunk on its way to the CPU optimizer (bounds pinned landing memory
         and pipelines device-to-host copies with the update).
     grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
@@ -48,6 +51,7 @@ class SlideConfig:
     activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
     recompute: Literal["auto", "always", "never"] = "auto"
     h2d_source: Literal["master", "shadow"] = "master"
+    block_grad_buffers: int = 3
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
     use_kernels: bool = True
@@ -63,6 +67,7 @@ class SlideConfig:
                 self.activations == "nvme" and self.offload == "nvme"),
             "recompute": self.recompute in ("auto", "always", "never"),
             "h2d_source": self.h2d_source in ("master", "shadow"),
+            "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
@@ -93,6 +98,7 @@ _HINTS = {
     "activations": "Choose 'auto', 'device', 'cpu', or 'nvme' together with offload='nvme'.",
     "recompute": "Choose 'auto' (keep graphs where VRAM is spare), 'always' (least memory) or 'never'.",
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
+    "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",

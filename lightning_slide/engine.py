@@ -273,7 +273,7 @@ class SlideEngine:
         self.moments = Moments(self.storages, files, chunk, self.failure)
         self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
-                             self.h2d, self.adam, training, config.chunk_elems)
+                             self.h2d, self.adam, training, config.chunk_elems, config.block_grad_buffers)
         pin = device.type == "cuda"
         widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
         self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,

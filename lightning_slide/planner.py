@@ -23,7 +23,6 @@ from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.tiers import align
-from lightning_slide.window import GRAD_BUFFERS
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
@@ -317,8 +316,9 @@ def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
     slots.append(Entry(f"ring: {ring} block weight slots{grows}", setup.on_device, ring * block * setup.compute_bytes,
                        f"slots={ring - 1}" if ring > 2 else ""))
     if setup.training:
-        slots.append(Entry(f"{GRAD_BUFFERS} block gradient buffers", setup.on_device,
-                           GRAD_BUFFERS * block * setup.compute_bytes))
+        count = setup.config.block_grad_buffers
+        slots.append(Entry(f"{count} block gradient buffers", setup.on_device, count * block * setup.compute_bytes,
+                           "block_grad_buffers=2" if count > 2 else ""))
     if setup.cuda and setup.low_precision and setup.config.h2d_source == "master":
         staging = min(setup.config.chunk_elems, max(u.numel for u in shape.units))
         slots.append(Entry("fp32 load staging", "gpu", 4 * staging, "a smaller chunk_elems"))

@@ -21,9 +21,6 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 
-GRAD_BUFFERS = 3  # block gradients in flight: being written, leaving the GPU, and one spare
-
-
 class Slot:
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.params = torch.empty(capacity, dtype=dtype, device=device)
@@ -57,6 +54,7 @@ class Window:
         adam: LayerAdam,
         with_grads: bool,
         staging_elems: int,
+        grad_slots: int = 3,
     ) -> None:
         self.storages, self.h2d, self.adam, self.dtype, self.device = storages, h2d, adam, dtype, device
         self.dedicated = {i: Slot(s.numel, dtype, device) for i, s in enumerate(storages) if dedicated[i]}
@@ -65,7 +63,7 @@ class Window:
         self.ring = [Slot(self.capacity, dtype, device) for _ in range(slots)]
         self.lookahead = slots - 1  # units loaded ahead of the pass (a grown ring keeps the same distance)
         self.grad_buffers = {i: GradBuffer(storages[i].numel, dtype, device) for i in self.dedicated} if with_grads else {}
-        self.grad_ring = [GradBuffer(self.capacity, dtype, device) for _ in range(GRAD_BUFFERS)] if with_grads else []
+        self.grad_ring = [GradBuffer(self.capacity, dtype, device) for _ in range(grad_slots)] if with_grads else []
         self._next_grads = 0
         needs_cast = device.type == "cuda" and dtype != torch.float32 and any(s.shadow is None for s in storages)
         largest = max(s.numel for s in storages)

@@ -20,9 +20,9 @@ def test_fp32_matches_adamw_with_accumulation_clipping_and_schedule(arch):
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(slots=2), dict(slots="auto"), dict(activations="cpu"), dict(chunk_elems=1024, grad_buffers=2),
-     dict(recompute="never"), dict(recompute="never", slots=2)],
+     dict(recompute="never"), dict(recompute="never", slots=2), dict(block_grad_buffers=2)],
     ids=["default", "two-slots", "auto-slots", "activations-on-host", "small-chunks", "kept-graphs",
-         "kept-graphs-two-slots"],
+         "kept-graphs-two-slots", "two-gradient-buffers"],
 )
 def test_fp32_matches_adamw_when_updates_overlap_the_backward(settings):
     model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)

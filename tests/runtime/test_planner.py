@@ -44,6 +44,7 @@ def _engine_bytes(engine: SlideEngine) -> int:
         ("llama", torch.float32, True, {}),
         ("qwen2-tied", torch.float32, True, {"grad_sums": True, "amsgrad": True}),
         ("qwen3", torch.bfloat16, True, {"config": SlideConfig(h2d_source="shadow", chunk_elems=1024)}),
+        ("llama", torch.float32, True, {"config": SlideConfig(block_grad_buffers=5)}),
         ("mistral", torch.float32, False, {}),
     ],
 )
