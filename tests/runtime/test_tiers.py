@@ -74,6 +74,17 @@ def test_deferred_updates_with_half_the_master_on_disk_match_the_ram_tier(tmp_pa
     assert _same_parameters(in_ram.model, on_disk.model)
 
 
+def test_a_master_on_disk_keeps_frozen_parameters_and_amsgrad_state_like_the_ram_tier(tmp_path):
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    model.model.layers[1].mlp.requires_grad_(False)  # a frozen tail inside a unit whose master is on disk
+    options = {"amsgrad": True}
+    in_ram = fit(model, batches, "slideformer", STEPS, optimizer_kwargs=options)
+    on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0,
+                                                nvme_master=True, chunk_elems=1024), STEPS, optimizer_kwargs=options)
+    assert _same_parameters(in_ram.model, on_disk.model)
+    assert torch.equal(on_disk.model.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+
+
 def test_bf16_loads_from_the_shadow_of_a_master_on_disk_match_the_ram_tier(tmp_path):
     """The pinned bf16 copy a disk master is loaded from rounds exactly as casting the RAM master does."""
     model, batches = tiny_model("mistral"), token_batches(STEPS)
