@@ -13,6 +13,7 @@ from typing import Hashable
 
 import torch
 
+from lightning_slide.available import available_vram
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import Region, Spill, TierDirectory, align
@@ -160,10 +161,8 @@ class ActivationStore:
             return self.mode
         if self.device.type != "cuda":
             return "device"
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(self.device)
-        limit = torch.cuda.get_device_properties(self.device).total_memory * fraction
         needed = self.saves * value.numel() * value.element_size()
-        return offload if needed > 0.5 * (limit - torch.cuda.memory_allocated(self.device)) else "device"
+        return offload if needed > 0.5 * available_vram(self.device) else "device"
 
     def _buffer(self, key: Hashable, like: torch.Tensor) -> _HostBuffer:
         buf = self._pool.get(key)

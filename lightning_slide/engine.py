@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import tempfile
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterator
@@ -27,12 +27,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
+from lightning_slide.available import available_vram
 from lightning_slide.config import SlideConfig
 from lightning_slide.graphs import GraphBudget, SlotViews
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units, unit_file
-from lightning_slide.planner import available_vram
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
@@ -133,7 +133,7 @@ class _Call:
             self.rng = _rng_state(engine.device) if self.part.needs_rng else None
             out = engine._compute(self.part, slots, self.leaves, self.spec, {})
         else:
-            out = self.graph = self._record(slots, [x.detach().requires_grad_(True) for x in inputs])
+            out = self.graph = self._record(slots, [x.detach().requires_grad_(True) for x in inputs], keep=True)
         engine._leave(self.part, slots, +1)
         for i in self.grad_positions:  # the saved copy (or the graph) is the only reference the backward needs
             self.leaves[i] = None
@@ -142,11 +142,11 @@ class _Call:
         self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return tuple(x.detach() if self.kept is not None else x for x in leaves if isinstance(x, torch.Tensor))
 
-    def _record(self, slots: dict[int, Slot], inputs: list[torch.Tensor]) -> Any:
+    def _record(self, slots: dict[int, Slot], inputs: list[torch.Tensor], keep: bool = False) -> Any:
         """Run the part with its inputs and trainable weights as fresh leaves, recording its graph.
 
-        The graph saves slot tensors as places (`SlotViews`), so the slots may serve other units before the
-        backward.
+        A graph kept until the backward saves slot tensors as places (`SlotViews`), so the slots may serve
+        other units in between; a recompute's graph is used at once and needs no hooks.
         """
         self.inputs = inputs
         leaves = list(self.leaves)
@@ -154,8 +154,8 @@ class _Call:
             leaves[i] = x
         trainable = [b for b in self.part.bindings if b.trainable]
         self.weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in trainable}
-        self.views = SlotViews(slots)
-        with torch.enable_grad(), self.views:
+        self.views = SlotViews(slots) if keep else None
+        with torch.enable_grad(), self.views or nullcontext():
             return self.engine._compute(self.part, slots, leaves, self.spec, self.weights)
 
     def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:

@@ -9,17 +9,15 @@ micro-batch and sequence length, which only the first batch tells.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass, replace
 from typing import Literal
 
-import psutil
 import torch
 from torch import nn
 
-from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.activations import DISK_BUFFERS
+from lightning_slide.adapters import causal_lm_units, find_causal_lm
+from lightning_slide.available import available_disk, available_ram, available_vram
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.tiers import align
@@ -155,22 +153,6 @@ class Resources:
 
     def free(self, pool: str) -> int | None:
         return {"host": self.ram + self.resident, "gpu": self.gpu, "disk": self.disk}[pool]
-
-
-def available_ram() -> int:
-    return int(psutil.virtual_memory().available)
-
-
-def available_vram(device: torch.device) -> int:
-    """What this process may still allocate: its memory-fraction cap, the card's free memory, and the cache."""
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
-    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    capped = int(torch.cuda.get_device_properties(device).total_memory * fraction) - allocated
-    return min(capped, torch.cuda.mem_get_info(device)[0] + reserved - allocated)
-
-
-def available_disk(path: str) -> int:
-    return shutil.disk_usage(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))).free
 
 
 # Host RAM and pinned memory come out of the same physical RAM; the check groups locations this way.

@@ -41,8 +41,8 @@ class UnitStorage:
     """Host-side state of one unit.
 
     `master` holds every parameter the unit owns (fp32): pinned RAM, or, given `master_file` (the unit's
-    disk-tier file, nvme_master), a shared mapping of the file's first `numel` elements (never pinned); `exp_avg`/`exp_avg_sq` cover the trainable
-    prefix (in RAM, or mapped from the disk tier: `moments.py` decides).
+    disk-tier file, nvme_master), a shared mapping of the file's first `numel` elements (never pinned).
+    `exp_avg`/`exp_avg_sq` cover the trainable prefix (in RAM, or mapped from the disk tier: `moments.py`).
     After construction each owned `nn.Parameter` is a view into `master`, so the user's optimizer, the
     module's state_dict and the checkpoint all see the master weights without a copy.
     """

@@ -1,0 +1,29 @@
+"""What the machine has free right now: host RAM, this process's share of the GPU, disk space.
+
+The planner checks a run against these before anything is allocated; the engine and the activation store
+ask the same questions when they size the window and decide where saved inputs wait.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import psutil
+import torch
+
+
+def available_ram() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def available_vram(device: torch.device) -> int:
+    """What this process may still allocate: its memory-fraction cap, the card's free memory, and the cache."""
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    capped = int(torch.cuda.get_device_properties(device).total_memory * fraction) - allocated
+    return min(capped, torch.cuda.mem_get_info(device)[0] + reserved - allocated)
+
+
+def available_disk(path: str) -> int:
+    return shutil.disk_usage(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))).free
