@@ -8,10 +8,12 @@ good (cuBLAS keeps a workspace per stream, for instance). Elementwise kernels ar
 the GPU's queue filled before the step starts (`device_ms`: the GPU time a training step sees,
 where the host runs ahead of the GPU) and report achieved bandwidth (the bytes an ideal fused
 kernel must move, divided by that time) against a measured device-to-device copy. The fused loss
-runs in several of our variants (`LCE_VARIANTS`: overlap on or off, chunk budget) beside the
-baselines, so one run decides the default. One JSON file per case goes to --out, plus a plot.
+runs in several of our variants (`LCE_VARIANTS`: schedule, overlap on or off, chunk budget)
+beside the baselines, so one run decides the default. One JSON file per case goes to --out, plus a
+plot. `--only` restricts the run to some kernels (`KERNELS`), e.g. the loss alone.
 
     python benchmarks/bench_ops.py --out benchmarks/results            # H200: about 3-4 minutes
+    python benchmarks/bench_ops.py --out /tmp/lce --only linear_cross_entropy
     python benchmarks/bench_ops.py --out /tmp/smoke --smoke            # CPU, Triton interpreter, tiny
     python benchmarks/bench_ops.py --plot benchmarks/results           # redraw the plot from JSON
 
@@ -37,6 +39,14 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
+KERNELS = ("copy", "linear_cross_entropy", "rms_norm", "rope", "swiglu")  # the values of Case.kernel
+
+
+def _kernel_names(text: str) -> frozenset[str]:
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names or names - set(KERNELS):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(KERNELS)}, got {text!r}")
+    return names
 
 
 def _parse() -> argparse.Namespace:
@@ -46,6 +56,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="only redraw the plot from the JSON files in this folder")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--only", type=_kernel_names, help=f"comma-separated kernels to run, of {','.join(KERNELS)}")
     p.add_argument("--commit", default=os.environ.get("GIT_COMMIT"))
     return p.parse_args()
 
@@ -193,6 +204,9 @@ LCE_VARIANTS = {
     "lightning-slide": {},  # the default: 63 MiB chunks, grad_x beside the grad_W update
     "lightning-slide-serial": {"overlap": False},  # the same chunks on one stream
     "lightning-slide-256mib": {"chunk_mib": 256},  # what 4x the memory buys (over the 64 MiB target)
+    "lightning-slide-vocab": {"schedule": "vocab"},  # vocabulary slices: grad_W written once, 4 GEMMs
+    "lightning-slide-pipelined": {"schedule": "rows-pipelined"},  # two half buffers, grad_W beside the next chunk
+    "lightning-slide-pipelined-serial": {"schedule": "rows-pipelined", "overlap": False},  # its half chunks, one stream
 }
 
 
@@ -393,23 +407,26 @@ def all_cases(device, smoke: bool, compile_ok: bool) -> list[Case]:
     return cases
 
 
-def _lazy_cases(device, smoke: bool, compile_ok: bool):
-    """Cases one problem at a time, so a problem's tensors are freed before the next one's."""
+def _lazy_cases(device, smoke: bool, compile_ok: bool, only: frozenset[str] | None = None):
+    """Cases one problem at a time, so a problem's tensors are freed before the next one's.
+
+    With `only`, just those kernels' cases (the others' problems are not even built).
+    """
     if smoke:
-        yield from all_cases(device, smoke, compile_ok)
+        yield from (c for c in all_cases(device, smoke, compile_ok) if only is None or c.kernel in only)
         return
     dt = torch.bfloat16
-    yield d2d_copy_case(device, 2048 * MIB)
-    for vocab in (128256, 151936):
-        for tokens in (4096, 16384, 65536):
-            yield from lce_cases(tokens, vocab, 4096, device, dt, compile_ok)
+    problems = [("copy", lambda: [d2d_copy_case(device, 2048 * MIB)])]
+    problems += [("linear_cross_entropy", lambda t=tokens, v=vocab: lce_cases(t, v, 4096, device, dt, compile_ok))
+                 for vocab in (128256, 151936) for tokens in (4096, 16384, 65536)]
+    problems += [("rms_norm", lambda: rms_cases(16384, 4096, device, dt, compile_ok)),
+                 ("rope", lambda: rope_cases(16384, 32, 8, 128, device, dt, compile_ok)),
+                 ("swiglu", lambda: swiglu_cases(16384, 4096, device, dt, compile_ok)),
+                 ("swiglu", lambda: swiglu_cases(16384, 14336, device, dt, compile_ok))]
+    for kernel, make in problems:
+        if only is None or kernel in only:
+            yield from make()
             _free(device)
-    for make in (lambda: rms_cases(16384, 4096, device, dt, compile_ok),
-                 lambda: rope_cases(16384, 32, 8, 128, device, dt, compile_ok),
-                 lambda: swiglu_cases(16384, 4096, device, dt, compile_ok),
-                 lambda: swiglu_cases(16384, 14336, device, dt, compile_ok)):
-        yield from make()
-        _free(device)
 
 
 def run_case(case: Case, device, iters: int) -> dict:
@@ -449,7 +466,7 @@ def main() -> None:
     started = time.perf_counter()
     _warm_cublas(device)
     ceiling = None
-    for case in _lazy_cases(device, args.smoke, not (args.no_compile or args.smoke)):
+    for case in _lazy_cases(device, args.smoke, not (args.no_compile or args.smoke), args.only):
         result = run_case(case, device, args.iters if not args.smoke else 2)
         if case.kernel == "copy" and result["ok"]:
             ceiling = result["achieved_gbps"]
@@ -465,13 +482,13 @@ def main() -> None:
 
 def _summary(r: dict) -> str:
     if not r["ok"]:
-        return f"{r['case']:<34} {r['system']:<28} FAILED {r['error'][:90]}"
+        return f"{r['case']:<34} {r['system']:<32} FAILED {r['error'][:90]}"
     mem = f"{r['transient_mib']:9.1f} MiB" if r.get("transient_mib") is not None else "        - MiB"
     if r.get("persistent_mib"):
         mem += f" (+{r['persistent_mib']:.1f} kept)"
     extra = f" device {r['device_ms']:.3f} ms {r['achieved_gbps']:5.0f} GB/s" if "device_ms" in r else ""
     extra += f" {r['tflops_6thv']:6.0f} TFLOP/s" if "tflops_6thv" in r else ""
-    return f"{r['case']:<34} {r['system']:<28} {r['median_ms']:9.3f} ms {mem}{extra}"
+    return f"{r['case']:<34} {r['system']:<32} {r['median_ms']:9.3f} ms {mem}{extra}"
 
 
 # ---------------------------------------------------------------- plot

@@ -2,9 +2,11 @@
 
 Off the device, the input is copied out on the d2h lane right after the unit's forward and copied back on
 the h2d lane while the next-later unit runs its backward. In RAM, host buffers are pooled by position in the
-forward pass, so steady-state steps allocate no pinned memory. On disk (offload="nvme"), a few pinned
-buffers stage each input on its way to its file region and back: writes go behind the forward, and when the
-backward starts every input is read ahead in the order the backward will want them.
+forward pass, so steady-state steps allocate no pinned memory. On disk (offload="nvme"), a few staging
+buffers hold each input on its way to its file region and back: writes go behind the forward, and when the
+backward starts every input is read ahead in the order the backward will want them. The staging buffers are
+pinned host memory, or GPU memory when the disk tier moves device memory directly (`tiers.direct_io`):
+then the copies in and out of them stay on the GPU.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Saved:
             self._host.read_done = self._arrived
         else:
             store.disk.release(source, self._arrived)
-        store.bytes_in += self._value.numel() * self._value.element_size()
+        if not source.is_cuda:  # PCIe bytes (a direct disk read already landed in GPU memory)
+            store.bytes_in += self._value.numel() * self._value.element_size()
 
     def get(self) -> torch.Tensor:
         self.prefetch()
@@ -64,8 +67,9 @@ class ActivationStore:
     fit, else the offload tier: disk with offload="nvme", pinned RAM otherwise)."""
 
     def __init__(self, mode: str, device: torch.device, compute: Lane, h2d: Lane, d2h: Lane, saves: int,
-                 tier: TierDirectory | None = None, failure: Failure | None = None) -> None:
+                 tier: TierDirectory | None = None, failure: Failure | None = None, direct: bool = False) -> None:
         self.mode, self.device, self.saves, self.tier, self.failure = mode, device, saves, tier, failure
+        self.direct = direct
         self.compute, self.h2d, self.d2h = compute, h2d, d2h
         self._pool: dict[Hashable, _HostBuffer] = {}
         self._where: str | None = None
@@ -100,7 +104,8 @@ class ActivationStore:
         dst.copy_(value, non_blocking=True)
         if value.is_cuda:
             value.record_stream(self.d2h.current())
-        self.bytes_out += value.numel() * value.element_size()
+        if not dst.is_cuda:
+            self.bytes_out += value.numel() * value.element_size()
         return self.d2h.record()
 
     def _save_to_disk(self, key: Hashable, value: torch.Tensor, produced: object) -> Saved:
@@ -125,7 +130,8 @@ class ActivationStore:
         if self.disk is None or value.numel() * value.element_size() > self._region_bytes:
             self._close_disk()
             self._region_bytes = align(value.numel() * value.element_size())
-            self.disk = Spill("activations", DISK_BUFFERS, self._region_bytes, value.is_cuda, self.failure)
+            self.disk = Spill("activations", DISK_BUFFERS, self._region_bytes, value.is_cuda, self.failure,
+                              value.device if self.direct else None)
         if key not in self.disk.regions:
             index = len(self.disk.regions)
             if index % self.saves == 0:  # one file per `saves` regions: enough for one forward pass

@@ -35,6 +35,9 @@ class SlideConfig:
     chunk_elems: elements per gradient chunk on its way to the CPU optimizer (bounds pinned landing memory
         and pipelines device-to-host copies with the update).
     grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
+    update_threads: CPU threads the optimizer thread's AdamW uses (torch intra-op threads of that thread);
+        None keeps torch's default (every core). Fewer leave cores to the thread that drives the GPU and to
+        the copy threads, whose stalls hold up every thread of a parallel update.
     use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
     nvme_path: directory for the disk tier (offload="nvme"; default: the system temporary directory). The
         run's files go in a private directory there, removed when training ends (also after an error).
@@ -44,6 +47,10 @@ class SlideConfig:
         the same file too (read ahead and written behind with the moments by each update), and only a pinned
         copy in the compute dtype in RAM, which loads read: 2 bytes of RAM per such parameter instead of 4 + 8.
         For machines whose disk is much larger than their RAM; every update then also moves the master.
+    gds: with activations on disk, whether their staging buffers are GPU memory that kvikio moves straight to
+        and from the files ("auto": where kvikio runs GPUDirect Storage; "on": wherever kvikio is installed and
+        the device is CUDA, bouncing through kvikio's own host buffers where GDS is missing; "off": pinned
+        host buffers, copied over PCIe by the runtime). Direct costs the staging buffers' GPU memory.
     """
 
     offload: Offload = "cpu"
@@ -54,10 +61,12 @@ class SlideConfig:
     block_grad_buffers: int = 3
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
+    update_threads: int | None = None
     use_kernels: bool = True
     nvme_path: str | None = None
     nvme_moments: float | None = None
     nvme_master: bool = False
+    gds: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         checks = {
@@ -70,8 +79,10 @@ class SlideConfig:
             "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
+            "update_threads": self.update_threads is None or self.update_threads >= 1,
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
             "nvme_master": not self.nvme_master or self.offload == "nvme",
+            "gds": self.gds in ("auto", "on", "off"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -101,6 +112,8 @@ _HINTS = {
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
+    "update_threads": "Give at least 1 thread, or None for torch's default.",
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",
     "nvme_master": "The master weights go to disk only with offload='nvme' (the disk tier).",
+    "gds": "Choose 'auto' (GPUDirect Storage where kvikio uses it), 'on' or 'off' (pinned host staging).",
 }

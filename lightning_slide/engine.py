@@ -36,7 +36,7 @@ from lightning_slide.moments import Moments, disk_units, unit_file
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
-from lightning_slide.tiers import DiskFile, TierDirectory
+from lightning_slide.tiers import DiskFile, TierDirectory, direct_io
 from lightning_slide.transfer import Dispatch, GradPump, LandingRing
 from lightning_slide.window import GradBuffer, Slot, Window
 
@@ -271,7 +271,7 @@ class SlideEngine:
         self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
         chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
         self.moments = Moments(self.storages, files, chunk, self.failure)
-        self.adam = LayerAdam(self.storages, self.moments, self.failure)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure, config.update_threads)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
                              self.h2d, self.adam, training, config.chunk_elems, config.block_grad_buffers)
         pin = device.type == "cuda"
@@ -279,7 +279,7 @@ class SlideEngine:
         self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
                              self.failure, widen_on) if training else None
         self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
-                                          self.tier, self.failure)
+                                          self.tier, self.failure, self.tier is not None and direct_io(config.gds, device))
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
         self._written: set[int] = set()

@@ -20,7 +20,7 @@ from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
-from lightning_slide.tiers import align
+from lightning_slide.tiers import align, direct_io
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
@@ -330,10 +330,17 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
     if where == "nvme":
         return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk", shape.saves * align(hidden),
                       "a smaller micro_batch or seq_len"),
-                Entry(f"disk staging buffers ({DISK_BUFFERS})", setup.pinned, DISK_BUFFERS * align(hidden),
-                      "a smaller micro_batch"), in_flight]
+                _disk_staging(setup, DISK_BUFFERS * align(hidden)), in_flight]
     return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
                   "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
+
+
+def _disk_staging(setup: Setup, nbytes: int) -> Entry:
+    """Activations stage on their way to disk in GPU memory with direct (GPUDirect) I/O, else in pinned RAM."""
+    if direct_io(setup.config.gds, torch.device(setup.device)):
+        return Entry(f"disk staging buffers ({DISK_BUFFERS}), direct I/O", "gpu", nbytes,
+                     "gds='off' (staging in pinned RAM) or a smaller micro_batch")
+    return Entry(f"disk staging buffers ({DISK_BUFFERS})", setup.pinned, nbytes, "a smaller micro_batch")
 
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:

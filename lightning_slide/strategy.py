@@ -33,7 +33,7 @@ from lightning_slide.engine import SlideEngine
 from lightning_slide.materialize import meta_parameters
 from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
-from lightning_slide.tiers import backend_name
+from lightning_slide.tiers import backend_name, direct_io
 
 
 def _token_shape(batch: Any) -> tuple[int, int] | None:
@@ -174,7 +174,8 @@ class SlideStrategy(SingleDeviceStrategy):
         self._planned = (shape, setup)
         rank_zero_info(self.plan.describe())
         if self.config.offload == "nvme":
-            rank_zero_info(f"slideformer disk tier: {backend_name()}, files under {self.config.nvme_path}, "
+            direct = direct_io(self.config.gds, self.root_device)
+            rank_zero_info(f"slideformer disk tier: {backend_name(direct)}, files under {self.config.nvme_path}, "
                            f"{self.config.nvme_moments:.0%} of the Adam moments on disk"
                            + (" with their units' fp32 master weights" if self.config.nvme_master else ""))
         self.plan.check(resources)

@@ -3,8 +3,10 @@ writer thread writes back behind.
 
 I/O goes through kvikio when it is installed (GPUDirect Storage where the machine has it, its POSIX
 compatibility mode elsewhere) and through plain `os.preadv`/`os.pwritev` otherwise; `backend_name()` says
-which. Buffers are host memory: Adam runs on the CPU, and activations pass through pinned staging on their
-way to and from the GPU. Files live in a private directory under `nvme_path` that is removed on close, at
+which. Adam runs on the CPU, so the moments' buffers are host memory. Activations live on the GPU: with
+GPUDirect Storage their staging buffers are device memory that kvikio reads and writes straight from the
+disk (`direct_io`); without it they pass through pinned host buffers, since kvikio's compatibility mode
+would bounce device memory through its own host buffers anyway, one more copy. Files live in a private directory under `nvme_path` that is removed on close, at
 interpreter exit and when the owner is garbage collected, so an exception never leaves them behind. A
 short read or write is an error naming the file, never silent.
 """
@@ -52,16 +54,35 @@ def _kvikio():
     return kvikio
 
 
-def backend_name() -> str:
+def gds_available() -> bool:
+    """kvikio is usable and would move device memory with GPUDirect Storage (not its compatibility mode)."""
+    kvikio = _kvikio()
+    return kvikio is not None and not kvikio.defaults.is_compat_mode_preferred()
+
+
+def direct_io(setting: str, device: torch.device) -> bool:
+    """Whether activations go between GPU memory and their files without pinned host staging.
+
+    "auto": where GPUDirect Storage is in use; "on": wherever the device is CUDA and kvikio is installed
+    (without GDS, kvikio bounces device memory through its own host buffers); "off": never.
+    """
+    if setting == "off" or device.type != "cuda":
+        if setting == "on":
+            raise ValueError(f"gds='on' needs a CUDA compute device, not {device.type!r}; use gds='auto' or 'off'.")
+        return False
+    if setting == "on" and _kvikio() is None:
+        raise ValueError("gds='on' needs kvikio (pip install kvikio-cu12 or kvikio-cu13); use gds='auto' or 'off'.")
+    return setting == "on" or gds_available()
+
+
+def backend_name(direct: bool = False) -> str:
     """Which I/O path the disk tier uses here, for the plan and the logs."""
     kvikio = _kvikio()
     if kvikio is None:
         return "POSIX pread/pwrite (kvikio not installed)"
-    if kvikio.defaults.is_compat_mode_preferred():
-        return f"kvikio {kvikio.__version__} (POSIX compatibility mode)"
-    # GDS moves device memory; every transfer of this tier goes through pinned host buffers, which kvikio
-    # reads and writes with its threaded POSIX path even where GDS is available.
-    return f"kvikio {kvikio.__version__} (GPUDirect Storage available, unused: the tier stages in pinned host memory)"
+    mode = "POSIX compatibility mode" if kvikio.defaults.is_compat_mode_preferred() else "GPUDirect Storage"
+    staging = "GPU memory" if direct else "pinned host memory"
+    return f"kvikio {kvikio.__version__}, {mode}; activations staged in {staging}"
 
 
 class _Posix:
@@ -105,19 +126,21 @@ class _Kvikio:
     def open(self, path: str):
         return self.kvikio.CuFile(path, "r+")
 
-    def read(self, handle, view: memoryview, offset: int) -> Callable[[], int]:
+    def read(self, handle, view, offset: int) -> Callable[[], int]:
         return handle.pread(view, len(view), offset).get
 
-    def write(self, handle, view: memoryview, offset: int) -> Callable[[], int]:
+    def write(self, handle, view, offset: int) -> Callable[[], int]:
         return handle.pwrite(view, len(view), offset).get
 
     def close(self, handle) -> None:
         handle.close()
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous host tensor (any dtype, bf16 included)."""
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+def _bytes(tensor: torch.Tensor):
+    """What kvikio and os.preadv take: a byte view of a contiguous host tensor (any dtype, bf16 included),
+    or a device tensor itself (kvikio reads its `__cuda_array_interface__`)."""
+    raw = tensor.view(torch.uint8)
+    return raw if raw.is_cuda else memoryview(raw.numpy()).cast("B")
 
 
 class TierDirectory:
@@ -179,7 +202,7 @@ class DiskFile:
         self.handle = io.open(path)
 
     def read(self, dst: torch.Tensor, offset: int) -> Callable[[], None]:
-        """Start reading len(dst) bytes at `offset` into host tensor `dst`; the returned call waits for them.
+        """Start reading len(dst) bytes at `offset` into `dst`; the returned call waits for them.
 
         The file's size is checked first: kvikio 26.10 can abort the process on a read past the end.
         """
@@ -226,16 +249,19 @@ class Region:
 
 
 class Spill:
-    """Host buffers that are read ahead in a planned order and written behind, for one kind of state.
+    """Buffers that are read ahead in a planned order and written behind, for one kind of state.
 
     The consumer plans the order in which it will `take` keys, takes each (waiting only if the disk is
     behind), and hands the buffer back either with `write_back` (written, then freed) or `release` (freed
     once `event` has passed). A key is never read while an earlier write of it is still in flight.
     """
 
-    def __init__(self, name: str, buffers: int, buffer_bytes: int, pin: bool, failure: Failure) -> None:
+    def __init__(self, name: str, buffers: int, buffer_bytes: int, pin: bool, failure: Failure,
+                 device: torch.device | None = None) -> None:
+        """Host buffers (pinned if `pin`), or device buffers on `device` for GPUDirect I/O."""
         self.name, self.failure = name, failure
-        self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
+        self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, device=device, pin_memory=pin and device is None)
+                        for _ in range(buffers)]
         self._free = deque(range(buffers))
         self._ready: dict[Hashable, int] = {}
         self._expected: deque[Hashable] = deque()

@@ -1,19 +1,27 @@
 """Fused linear cross-entropy: `mean CE(hidden @ W.T (+ b), targets)` without the full logits.
 
 A causal LM's loss head multiplies every token's hidden state by a vocabulary-sized matrix; for
-16k tokens and a 128k vocabulary the fp32 logits alone are 8 GiB. We walk the tokens in chunks
-sized to a memory budget (default 63 MiB of logits: 256 rows at vocab 128256). For each chunk:
+16k tokens and a 128k vocabulary the fp32 logits alone are 8 GiB. We compute the logits a block
+at a time into one reused buffer sized to a memory budget (default 63 MiB) and finish the
+gradients during the forward (backward only scales them by the incoming gradient). Three
+schedules (`schedule=`) walk the T x V logits in different blocks; all share the logits GEMM
+(cuBLAS, input dtype, fp32 accumulation) and row-wise Triton kernels that turn a block of logits
+into d(loss)/d(logits) in place.
 
-1. logits = x_c @ W.T into one reused buffer (cuBLAS, input dtype, fp32 accumulation);
+`"rows"` (the default): chunks of R whole rows (256 at vocab 128256, bf16). For each chunk:
+
+1. logits = x_c @ W.T into the buffer;
 2. one Triton program per row computes the log-sum-exp online over vocabulary blocks, writes the
    row's loss, and overwrites the logits in place with d(loss)/d(logits);
 3. grad_x[c] = dlogits @ W (a full-vocab reduction, written once) and grad_W += dlogits.T @ x_c.
 
-So the gradients are finished during the forward (6·T·H·V FLOPs in all, as Liger does, against
-8·T·H·V for recomputing designs such as Cut Cross-Entropy); backward only scales them by the
-incoming gradient. grad_W accumulates in the weight's dtype (bf16 for a bf16 head, like Liger's
+So it takes 6·T·H·V FLOPs in all, as Liger does, against 8·T·H·V for recomputing designs such as
+Cut Cross-Entropy. grad_W accumulates in the weight's dtype (bf16 for a bf16 head, like Liger's
 default): each chunk's product is summed in fp32 inside cuBLAS, then rounded once into grad_W, so
-a 16k-token bf16 head takes 64 roundings of its running sum.
+a 16k-token bf16 head takes 64 roundings of its running sum. Its cost at 64 MiB is that update:
+each chunk reads and writes all of grad_W, 8·T·V²·H/B bytes in all for a budget of B bytes
+(~125 GiB, ~30 ms at 16k tokens, vocab 128256, hidden 4096), memory-bound next to compute-bound
+GEMMs.
 
 Why the chunk's two gradient GEMMs overlap (`overlap=True`, on CUDA): with 256-row chunks the
 grad_W update is memory-bound (it reads and writes all of grad_W, 2 GB at vocab 128256, for
@@ -23,8 +31,34 @@ stream fits half the SMs idling through it). Both only read the chunk's dlogits,
 on a second, high-priority stream, queued first so its blocks are placed first, and the grad_W
 update takes the SMs it leaves; the next chunk's logits wait for both. The second stream costs
 cuBLAS one more workspace (kept per stream from first use, so not part of each call's memory).
-Within the budget the alternatives cost more: larger chunks through recomputing the logits in
-vocabulary slices add a share (P-1)/P of a fourth GEMM for P-times-larger chunks.
+
+`"rows-pipelined"`: the row chunks with two buffers of half the budget (128 rows each), so that
+chunk i's memory-bound grad_W update (on the main stream) can run beside chunk i+1's
+compute-bound logits GEMM, row kernel and grad_x (on the high-priority second stream, so the
+update takes the SMs they leave, as above). A buffer is overwritten only after events mark the
+end of its previous chunk's reads. The price: chunks half as large double every per-chunk pass
+over W (the update's read and write of grad_W, and the reads of W by the logits and grad_x GEMMs,
+which at 128 rows do ~128 FLOP per byte of W, below the H200's ~200 FLOP per byte of HBM: memory-
+bound too), so it pays only if the overlap hides more than it adds. With `overlap=False` (or on
+the CPU) it is the row schedule with half-size chunks: the control for the overlap.
+
+`"vocab"` (vocabulary-outer): slices of Vc columns over all T rows (T x Vc logits fit the budget:
+Vc = 1920 at 16k tokens). Pass 1 walks the slices and keeps per row the running max and sum of an
+online log-sum-exp and the target's logit (3 fp32 per token). Pass 2 walks them back, recomputes
+each slice's logits (not the last one's: still in the buffer), turns them into dlogits, writes
+grad_W[slice] = dlogits.T @ x once, and accumulates grad_x += dlogits @ W[slice]. The
+read-modify-write traffic moves from grad_W (V x H, per row chunk) to grad_x (T x H, per slice):
+8·V·T²·H/B bytes, smaller than the row schedule's by T/V (~16 GiB at 16k tokens), at the price of
+a fourth GEMM (8·T·H·V FLOPs, less one slice). grad_x accumulates in its own dtype, one rounding
+per slice (67 at 16k tokens, vocab 128256), as grad_W does in the row schedule: an fp32
+accumulator would be T x H x 4 bytes, 256 MiB at 16k x 4096, four times the budget. Its bias
+gradient is summed per slice in fp32, also written once. `overlap` does not apply: its GEMMs
+all have full-size outputs.
+
+No `"auto"` schedule: which of these wins at a given T, V, H depends on how well the GEMMs of
+each shape run and how much concurrent streams overlap, which a byte/FLOP count alone does not
+settle (the GEMMs of 128- and 256-row chunks run well below the peak such a count assumes); the
+benchmark (benchmarks/bench_ops.py, `LCE_VARIANTS`) times them side by side.
 
 Options: logit softcapping `c·tanh(z/c)`, a z-loss `w·lse²`, Hugging Face's `num_items_in_batch`
 normaliser, and a bias. With every label ignored the loss is 0, not NaN.
@@ -43,8 +77,10 @@ from ops._triton import Kernel, device_function, launch_options, next_pow2, use_
 
 IGNORE_INDEX = -100
 CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 MiB
-CE_BLOCK = 8192  # vocabulary columns per step of the row kernel's online log-sum-exp
-OVERLAP = True  # default: grad_x beside the grad_W update on a second CUDA stream
+CE_BLOCK = 8192  # vocabulary columns per step of the row kernels' online log-sum-exp
+OVERLAP = True  # default: overlap a chunk's memory-bound grad_W update on a second CUDA stream
+SCHEDULES = ("rows", "rows-pipelined", "vocab")
+SCHEDULE = "rows"  # default: see the module docstring
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -75,6 +111,11 @@ def _normaliser(valid: torch.Tensor, num_items_in_batch) -> torch.Tensor:
     return n.to(torch.float32).clamp(min=1.0)
 
 
+# ---------------------------------------------------------------- row-wise kernels
+# One program per row of a block of logits: all columns (the row schedules) or one vocabulary
+# slice (the vocab schedule, whose column c of the slice is vocabulary entry c0 + c).
+
+
 @device_function
 def _logits(P, c, V, softcap, HAS_SOFTCAP: tl.constexpr):
     """The logits at columns `c` in fp32 (softcapped, `softcap·tanh(z/softcap)`, when asked); -inf past V."""
@@ -85,45 +126,101 @@ def _logits(P, c, V, softcap, HAS_SOFTCAP: tl.constexpr):
     return tl.where(mask, z, float("-inf"))
 
 
-def _ce_rows(L, stride_l, Y, LOSS, INV, V, ignore_index, softcap, z_w,
-             HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: its log-sum-exp, its loss, then dlogits written over the logits.
+@device_function
+def _row_lse(P, V, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's max m and sum(exp(z - m)) over its V columns.
 
-    The log-sum-exp runs online per lane (a running max and sum for each of the BLOCK columns
-    a step loads), so the loop over the vocabulary has no cross-warp reduction between its loads;
-    the lanes are combined once at the end.
+    Online per lane (a running max and sum for each of the BLOCK columns a step loads), so the
+    loop over the vocabulary has no cross-warp reduction between its loads; the lanes are
+    combined once at the end.
     """
-    row = tl.program_id(0).to(tl.int64)
-    base = L + row * stride_l
-    y = tl.load(Y + row)
-    valid = y != ignore_index
     cols = tl.arange(0, BLOCK)
-
-    m = _logits(base, cols, V, softcap, HAS_SOFTCAP)  # full unless V < BLOCK: no -inf in later steps' m
+    m = _logits(P, cols, V, softcap, HAS_SOFTCAP)  # full unless V < BLOCK: no -inf in later steps' m
     s = tl.where(cols < V, 1.0, 0.0)
     for off in range(BLOCK, V, BLOCK):
-        z = _logits(base, off + cols, V, softcap, HAS_SOFTCAP)
+        z = _logits(P, off + cols, V, softcap, HAS_SOFTCAP)
         m_new = tl.maximum(m, z)
         s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
     m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    return m_row, tl.sum(s * tl.exp(m - m_row), axis=0)
 
-    zy = _logits(base, tl.where(valid, y, 0), V, softcap, HAS_SOFTCAP)
+
+@device_function
+def _store_loss(LOSS, row, lse, zy, valid, INV, z_w):
+    """Store the row's loss `(lse - z_y + w·lse²) / N` (0 for an ignored label); return its scale."""
     scale = tl.where(valid, tl.load(INV), 0.0)
     tl.store(LOSS + row, (lse - zy + z_w * lse * lse) * scale)
+    return scale
 
-    if WRITE_GRAD:  # d/dz [lse - z_y + w·lse²] = p·(1 + 2w·lse) - onehot(y), times the softcap's slope
-        coef = 1.0 + 2.0 * z_w * lse
-        for off in range(0, V, BLOCK):
-            c = off + cols
-            mask = c < V
-            z = _logits(base, c, V, softcap, HAS_SOFTCAP)
-            g = (tl.exp(z - lse) * coef - tl.where(c == y, 1.0, 0.0)) * scale
-            if HAS_SOFTCAP:
-                t = tl.where(mask, z / softcap, 0.0)  # tanh of the raw logit
-                g = g * (1.0 - t * t)
-            tl.store(base + c, g.to(L.dtype.element_ty), mask=mask)
+
+@device_function
+def _store_dlogits(P, V, target, lse, scale, z_w, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Overwrite the row's V logits with d(loss)/d(logits); `target`: the label's column (may be outside).
+
+    d/dz [lse - z_y + w·lse²] = p·(1 + 2w·lse) - onehot(y), times the softcap's slope.
+    """
+    coef = 1.0 + 2.0 * z_w * lse
+    cols = tl.arange(0, BLOCK)
+    for off in range(0, V, BLOCK):
+        c = off + cols
+        mask = c < V
+        z = _logits(P, c, V, softcap, HAS_SOFTCAP)
+        g = (tl.exp(z - lse) * coef - tl.where(c == target, 1.0, 0.0)) * scale
+        if HAS_SOFTCAP:
+            t = tl.where(mask, z / softcap, 0.0)  # tanh of the raw logit
+            g = g * (1.0 - t * t)
+        tl.store(P + c, g.to(P.dtype.element_ty), mask=mask)
+
+
+def _ce_rows(L, stride_l, Y, LOSS, INV, V, ignore_index, softcap, z_w,
+             HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One whole row (the row schedules): its log-sum-exp, its loss, then dlogits over the logits."""
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    y = tl.load(Y + row)
+    valid = y != ignore_index
+    m, s = _row_lse(base, V, softcap, HAS_SOFTCAP, BLOCK)
+    lse = m + tl.log(s)
+    zy = _logits(base, tl.where(valid, y, 0), V, softcap, HAS_SOFTCAP)
+    scale = _store_loss(LOSS, row, lse, zy, valid, INV, z_w)
+    if WRITE_GRAD:
+        _store_dlogits(base, V, y, lse, scale, z_w, softcap, HAS_SOFTCAP, BLOCK)
+
+
+def _lse_slice(L, stride_l, Y, LOSS, INV, V, ignore_index, softcap, z_w, M, S, ZY, c0,
+               HAS_SOFTCAP: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 of the vocab schedule, one row of a slice: fold its V columns into the running
+    max M and sum S, and pick up the target's logit ZY if it lies here. After the LAST slice, M
+    holds the log-sum-exp and the row's loss is stored."""
+    row = tl.program_id(0).to(tl.int64)
+    base = L + row * stride_l
+    y = tl.load(Y + row)
+    valid = y != ignore_index
+    m_here, s_here = _row_lse(base, V, softcap, HAS_SOFTCAP, BLOCK)
+    m_old = tl.load(M + row)  # -inf before the first slice: exp(m_old - m) = 0 (m_here is finite)
+    m = tl.maximum(m_old, m_here)
+    s = tl.load(S + row) * tl.exp(m_old - m) + s_here * tl.exp(m_here - m)
+    col = y - c0
+    here = valid & (col >= 0) & (col < V)
+    zy = tl.where(here, _logits(base, tl.where(here, col, 0), V, softcap, HAS_SOFTCAP), tl.load(ZY + row))
+    if LAST:
+        lse = m + tl.log(s)
+        _store_loss(LOSS, row, lse, zy, valid, INV, z_w)
+        tl.store(M + row, lse)
+    else:
+        tl.store(M + row, m)
+        tl.store(S + row, s)
+        tl.store(ZY + row, zy)
+
+
+def _grad_slice(L, stride_l, Y, LSE, INV, V, ignore_index, softcap, z_w, c0,
+                HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2 of the vocab schedule, one row of a slice: dlogits over its logits, given the row's lse."""
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(Y + row)
+    scale = tl.where(y != ignore_index, tl.load(INV), 0.0)
+    _store_dlogits(L + row * stride_l, V, y - c0, tl.load(LSE + row), scale, z_w, softcap, HAS_SOFTCAP, BLOCK)
 
 
 def _scale(X, S, n, BLOCK: tl.constexpr):
@@ -135,6 +232,8 @@ def _scale(X, S, n, BLOCK: tl.constexpr):
 
 
 _ce_rows_kernel = Kernel(_ce_rows)
+_lse_slice_kernel = Kernel(_lse_slice)
+_grad_slice_kernel = Kernel(_grad_slice)
 _scale_kernel = Kernel(_scale)
 
 
@@ -148,106 +247,254 @@ class _Options:
     need_grad_x: bool
     need_grad_w: bool
     need_grad_b: bool
+    schedule: str = SCHEDULE
 
     @property
     def write_grad(self) -> bool:
         return self.need_grad_x or self.need_grad_w or self.need_grad_b
 
 
-def _rows_triton(logits, targets, loss, inv, o: _Options) -> None:
+def _launch(kernel: Kernel, logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor, inv: torch.Tensor,
+            o: _Options, *extra, **constexprs) -> None:
+    """One program per row of `logits`, with the arguments every row kernel starts with."""
     block = min(next_pow2(logits.shape[1]), CE_BLOCK)
-    _ce_rows_kernel[(logits.shape[0],)](
-        logits, logits.stride(0), targets, loss, inv, logits.shape[1], o.ignore_index,
-        float(o.softcap or 1.0), float(o.z_loss_weight), HAS_SOFTCAP=o.softcap is not None,
-        WRITE_GRAD=o.write_grad, BLOCK=block, **launch_options(16))
+    kernel[(logits.shape[0],)](
+        logits, logits.stride(0), targets, out, inv, logits.shape[1], o.ignore_index, float(o.softcap or 1.0),
+        float(o.z_loss_weight), *extra, HAS_SOFTCAP=o.softcap is not None, BLOCK=block, **constexprs,
+        **launch_options(min(16, max(4, block // 256))))
 
 
-def _rows_torch(logits, targets, loss, inv, o: _Options) -> None:
-    """The row kernel in PyTorch (CPU without the interpreter): same outputs, same in-place write."""
+# The same row-wise steps in PyTorch, for the CPU without the interpreter: same outputs, same
+# in-place writes. A whole row is a slice of one.
+
+
+def _capped(logits: torch.Tensor, o: _Options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits, softcapped when asked, and the tanh (for the softcap's slope)."""
     z = logits.float()
-    if o.softcap is not None:
-        t = torch.tanh(z / o.softcap)
-        z = o.softcap * t
-    lse = torch.logsumexp(z, dim=-1)
+    if o.softcap is None:
+        return z, None
+    t = torch.tanh(z / o.softcap)
+    return o.softcap * t, t
+
+
+def _lse_slice_torch(logits, targets, c0: int, state, loss, inv, o: _Options, last: bool) -> None:
+    z, _ = _capped(logits, o)
+    m, s, zy = state
+    m_new = torch.maximum(m, z.amax(1))
+    s.copy_(s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1))
+    m.copy_(m_new)
     valid = targets != o.ignore_index
-    y = torch.where(valid, targets, 0).unsqueeze(1)
-    scale = torch.where(valid, inv, 0.0)
-    loss.copy_((lse - z.gather(1, y).squeeze(1) + o.z_loss_weight * lse * lse) * scale)
+    col = targets - c0
+    here = valid & (col >= 0) & (col < z.shape[1])
+    zy.copy_(torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1), zy))
+    if last:
+        m += torch.log(s)
+        loss.copy_((m - zy + o.z_loss_weight * m * m) * torch.where(valid, inv, 0.0))
+
+
+def _grad_slice_torch(logits, targets, c0: int, lse, inv, o: _Options) -> None:
+    z, t = _capped(logits, o)
+    col = targets - c0
+    here = (targets != o.ignore_index) & (col >= 0) & (col < z.shape[1])
+    g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * o.z_loss_weight * lse)[:, None]
+    g.scatter_add_(1, torch.where(here, col, 0)[:, None], -here[:, None].to(g.dtype))
+    g *= torch.where(targets != o.ignore_index, inv, 0.0)[:, None]
+    if t is not None:
+        g *= 1.0 - t * t
+    logits.copy_(g)
+
+
+def _lse_state(tokens: int, device: torch.device) -> torch.Tensor:
+    """Per row: running max (then the log-sum-exp), running sum, target logit; fp32."""
+    state = torch.zeros((3, tokens), dtype=torch.float32, device=device)
+    state[0] = float("-inf")
+    return state
+
+
+def _rows(logits, targets, loss, inv, o: _Options) -> None:
+    """Loss rows for whole rows of logits, overwritten with dlogits when gradients are wanted."""
+    if use_triton(logits):
+        _launch(_ce_rows_kernel, logits, targets, loss, inv, o, WRITE_GRAD=o.write_grad)
+        return
+    state = _lse_state(logits.shape[0], logits.device)
+    _lse_slice_torch(logits, targets, 0, state, loss, inv, o, last=True)
     if o.write_grad:
-        g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * o.z_loss_weight * lse)[:, None]
-        g.scatter_add_(1, y, -torch.ones_like(y, dtype=g.dtype))
-        g *= scale[:, None]
-        if o.softcap is not None:
-            g *= 1.0 - t * t
-        logits.copy_(g)
+        _grad_slice_torch(logits, targets, 0, state[0], inv, o)
+
+
+def _slice_lse(logits, targets, c0: int, state, loss, inv, o: _Options, last: bool) -> None:
+    """Pass 1 over one vocabulary slice (columns c0 onwards) of every row."""
+    if use_triton(logits):
+        _launch(_lse_slice_kernel, logits, targets, loss, inv, o, *state, c0, LAST=last)
+    else:
+        _lse_slice_torch(logits, targets, c0, state, loss, inv, o, last)
+
+
+def _slice_grad(logits, targets, c0: int, lse, inv, o: _Options) -> None:
+    """Pass 2 over one vocabulary slice: its logits become dlogits."""
+    if use_triton(logits):
+        _launch(_grad_slice_kernel, logits, targets, lse, inv, o, c0)
+    else:
+        _grad_slice_torch(logits, targets, c0, lse, inv, o)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+def _fit(n: int, total: int, align: int) -> int:
+    """`n` items of `total` per block: all if they fit, else a multiple of `align` (of 8 below 8·align)."""
+    if n >= total:
+        return max(total, 1)
+    for a in (align, 8):
+        if n >= 8 * a:
+            return n // a * a
+    return n
 
 
 def chunk_rows(tokens: int, vocab: int, element_size: int, chunk_mib: float = CHUNK_MIB) -> int:
     """Tokens per chunk so that one chunk's logits fit the budget (a multiple of 8 when large)."""
-    rows = max(1, int(chunk_mib * 2**20) // (vocab * element_size))
-    if rows >= tokens:
-        return max(tokens, 1)
-    return rows // 8 * 8 if rows >= 64 else rows
+    return _fit(max(1, int(chunk_mib * 2**20) // (vocab * element_size)), tokens, 8)
+
+
+def slice_cols(tokens: int, vocab: int, element_size: int, chunk_mib: float = CHUNK_MIB) -> int:
+    """Vocabulary columns per slice so that all tokens' logits of a slice, and the per-row state
+    of the online log-sum-exp (3 fp32 a token), fit the budget (a multiple of 128, cuBLAS's tile
+    width, from 1024 columns on; of 8, for aligned rows, from 64)."""
+    budget = int(chunk_mib * 2**20) - 12 * tokens
+    return _fit(max(1, budget // (max(tokens, 1) * element_size)), vocab, 128)
+
+
+def _logits_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    if b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
 
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream(x: torch.Tensor, o: _Options, grad_x, grad_w) -> torch.cuda.Stream | None:
-    """The second stream for grad_x, when there is both a grad_x and a grad_W GEMM to overlap."""
-    if not (o.overlap and x.is_cuda and grad_x is not None and grad_w is not None):
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second, high-priority stream of a device (one per device, so one extra cuBLAS workspace)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _side_streams:
         _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
     return _side_streams[index]
 
 
+def _lanes(x: torch.Tensor, o: _Options, grad_x, grad_w) -> tuple:
+    """The streams of a chunk's (logits + row kernel, grad_x, grad_W + bias) work; all None: in order.
+
+    "rows": grad_x on the high-priority side stream beside the grad_W update (when both exist).
+    "rows-pipelined": the chunk's compute-bound work on the side stream, so that the next chunk's
+    runs beside this chunk's grad_W update on the main stream.
+    """
+    if not (o.overlap and x.is_cuda and grad_w is not None):
+        return None, None, None
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    if o.schedule == "rows-pipelined":
+        return side, side, main
+    return (main, side, main) if grad_x is not None else (None, None, None)
+
+
 @contextmanager
-def _beside(side: torch.cuda.Stream | None, main: torch.cuda.Stream | None):
-    """Run the block on `side` after all work queued so far on `main` (in place when no side)."""
-    if side is None:
+def _on(stream: torch.cuda.Stream | None, after: list[torch.cuda.Event]):
+    """Run the block on `stream` once the events in `after` have passed (in place when None)."""
+    if stream is None:
         yield
         return
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
+    for event in after:
+        stream.wait_event(event)
+    with torch.cuda.stream(stream):
         yield
+
+
+def _mark(stream: torch.cuda.Stream | None) -> list[torch.cuda.Event]:
+    """An event at the end of the work queued so far on `stream` (none when None)."""
+    return [] if stream is None else [stream.record_event()]
+
+
+def _row_chunks(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
+    """The row schedules: chunks of rows through one buffer ("rows") or two alternating halves.
+
+    A chunk's logits GEMM overwrites its buffer only after the events that mark the end of that
+    buffer's previous reads (the grad_x and grad_W GEMMs of the chunk before, or of the one before
+    that with two buffers); the gradient GEMMs start after the event that marks its dlogits.
+    Everything used on the side stream is allocated before the loop and lives through the call,
+    and the main stream waits for the side stream at the end, so the caching allocator never
+    hands out memory that the side stream may still touch.
+    """
+    T, V = x.shape[0], w.shape[0]
+    halves = 2 if o.schedule == "rows-pipelined" else 1
+    rows = chunk_rows(T, V, x.element_size(), o.chunk_mib / halves)
+    bufs = [torch.empty((rows, V), dtype=x.dtype, device=x.device) for _ in range(min(halves, -(-T // rows)))]
+    lane_logits, lane_gx, lane_gw = _lanes(x, o, gx, gw)
+    main = torch.cuda.current_stream(x.device) if lane_logits is not None else None
+    free = [_mark(main)] * len(bufs)  # per buffer: after these events it may be overwritten
+    for i, s in enumerate(range(0, T, rows)):
+        e = min(s + rows, T)
+        xc, lc = x[s:e], bufs[i % len(bufs)][: e - s]
+        with _on(lane_logits, free[i % len(bufs)]):
+            _logits_into(lc, xc, w, b)
+            _rows(lc, y[s:e], loss_rows[s:e], inv, o)
+        ready = _mark(lane_logits)
+        if gx is not None:
+            with _on(lane_gx, ready):
+                torch.mm(lc, w, out=gx[s:e])
+        with _on(lane_gw, ready):
+            if gw is not None:
+                if s == 0:
+                    torch.mm(lc.t(), xc, out=gw)
+                else:
+                    gw.addmm_(lc.t(), xc)
+            if gb is not None:
+                gb += lc.sum(0, dtype=torch.float32)
+        free[i % len(bufs)] = _mark(lane_gx) + _mark(lane_gw)
+    if main is not None:  # grad_x is complete, and the buffers may be freed, only after this
+        main.wait_stream(_side_stream(x.device))
+
+
+def _vocab_slices(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
+    """The vocab schedule: the online log-sum-exp over all slices, then each slice's gradients."""
+    T, V = x.shape[0], w.shape[0]
+    cols = slice_cols(T, V, x.element_size(), o.chunk_mib)
+    buf = torch.empty(T * cols, dtype=x.dtype, device=x.device)
+    state = _lse_state(T, x.device)
+    slices = [(c, min(c + cols, V)) for c in range(0, V, cols)]
+
+    def logits(c0: int, c1: int, compute: bool = True) -> torch.Tensor:
+        out = buf[: T * (c1 - c0)].view(T, c1 - c0)
+        if compute:
+            _logits_into(out, x, w[c0:c1], b[c0:c1] if b is not None else None)
+        return out
+
+    for i, (c0, c1) in enumerate(slices):
+        _slice_lse(logits(c0, c1), y, c0, state, loss_rows, inv, o, last=i == len(slices) - 1)
+    if not o.write_grad:
+        return
+    for i, (c0, c1) in enumerate(reversed(slices)):  # the last slice's logits are still in the buffer
+        lc = logits(c0, c1, compute=i > 0)
+        _slice_grad(lc, y, c0, state[0], inv, o)
+        if gw is not None:
+            torch.mm(lc.t(), x, out=gw[c0:c1])
+        if gx is not None:
+            if i == 0:
+                torch.mm(lc, w[c0:c1], out=gx)
+            else:
+                gx.addmm_(lc, w[c0:c1])
+        if gb is not None:
+            gb[c0:c1] = lc.sum(0, dtype=torch.float32)
 
 
 def _loss_and_grads(x, w, b, y, inv, o: _Options):
-    """The chunk loop: returns the loss and the finished (unscaled) gradients."""
+    """Run the schedule: returns the loss and the finished (unscaled) gradients."""
     T, V = x.shape[0], w.shape[0]
-    rows_fn = _rows_triton if use_triton(x) else _rows_torch
     loss_rows = torch.zeros(T, dtype=torch.float32, device=x.device)
     gx = torch.empty_like(x) if o.need_grad_x else None
     gw = (torch.empty_like(w) if T else torch.zeros_like(w)) if o.need_grad_w else None
     gb = torch.zeros(V, dtype=torch.float32, device=x.device) if o.need_grad_b else None
-    rows = chunk_rows(T, V, x.element_size(), o.chunk_mib)
-    buf = torch.empty((rows, V), dtype=x.dtype, device=x.device)
-    side = _side_stream(x, o, gx, gw)
-    main = torch.cuda.current_stream(x.device) if side is not None else None
-    for s in range(0, T, rows):
-        e = min(s + rows, T)
-        xc, lc = x[s:e], buf[: e - s]
-        if side is not None:  # the buffer is free once the previous chunk's grad_x has read it
-            main.wait_stream(side)
-        if b is None:
-            torch.mm(xc, w.t(), out=lc)
-        else:
-            torch.addmm(b, xc, w.t(), out=lc)
-        rows_fn(lc, y[s:e], loss_rows[s:e], inv, o)
-        if gx is not None:
-            with _beside(side, main):
-                torch.mm(lc, w, out=gx[s:e])
-        if gw is not None:
-            if s == 0:
-                torch.mm(lc.t(), xc, out=gw)
-            else:
-                gw.addmm_(lc.t(), xc)
-        if gb is not None:
-            gb += lc.sum(0, dtype=torch.float32)
-    if side is not None:  # grad_x is complete, and `buf` may be reused, only after this
-        main.wait_stream(side)
+    if T:
+        (_vocab_slices if o.schedule == "vocab" else _row_chunks)(x, w, b, y, inv, o, loss_rows, gx, gw, gb)
     return loss_rows.sum(), gx, gw, (gb.to(b.dtype) if gb is not None else None)
 
 
@@ -300,19 +547,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          bias: torch.Tensor | None = None, *, ignore_index: int = IGNORE_INDEX,
                          softcap: float | None = None, z_loss_weight: float = 0.0,
                          num_items_in_batch: int | torch.Tensor | None = None,
-                         chunk_mib: float = CHUNK_MIB, overlap: bool | None = None) -> torch.Tensor:
+                         chunk_mib: float = CHUNK_MIB, overlap: bool | None = None,
+                         schedule: str = SCHEDULE) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T (+ bias)` against `targets` (already aligned).
 
     The mean is over non-ignored targets, or the sum divided by `num_items_in_batch` when given
     (HF's convention under gradient accumulation). Returns an fp32 scalar. `chunk_mib` bounds the
-    logits buffer; `overlap` (default `OVERLAP`) runs grad_x beside the grad_W update on CUDA.
+    logits buffer(s); `schedule` is one of `SCHEDULES` (module docstring); `overlap` (default
+    `OVERLAP`) lets the row schedules use a second CUDA stream.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"linear_cross_entropy: schedule {schedule!r} is not one of {SCHEDULES}")
     x, w, b = _autocast(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
     y = targets.reshape(-1).to(device=x.device, dtype=torch.long)
     grad = torch.is_grad_enabled()
     o = _Options(ignore_index, softcap, float(z_loss_weight), chunk_mib, OVERLAP if overlap is None else overlap,
                  need_grad_x=grad and x.requires_grad, need_grad_w=grad and w.requires_grad,
-                 need_grad_b=grad and b is not None and b.requires_grad)
+                 need_grad_b=grad and b is not None and b.requires_grad, schedule=schedule)
     inv = 1.0 / _normaliser(y != ignore_index, num_items_in_batch)
     loss = LinearCrossEntropyFunction.apply(x, w, b, y, inv, o)
     return loss
@@ -341,6 +592,7 @@ class LinearCrossEntropyHead(nn.Linear):
     softcap: float | None = None
     z_loss_weight: float = 0.0
     chunk_mib: float = CHUNK_MIB
+    schedule: str = SCHEDULE
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, *,
                 shift_labels: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
@@ -351,4 +603,5 @@ class LinearCrossEntropyHead(nn.Linear):
         return causal_lm_loss(hidden, self.weight, labels, self.bias, shift_labels=shift_labels,
                               ignore_index=ignore_index, softcap=self.softcap,
                               z_loss_weight=self.z_loss_weight,
-                              num_items_in_batch=num_items_in_batch, chunk_mib=self.chunk_mib)
+                              num_items_in_batch=num_items_in_batch, chunk_mib=self.chunk_mib,
+                              schedule=self.schedule)

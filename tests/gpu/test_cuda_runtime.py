@@ -23,9 +23,10 @@ def test_fp32_on_cuda_matches_adamw_without_kernels():
 @pytest.mark.parametrize(
     "settings",
     [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096),
+     dict(offload="nvme", nvme_moments=1.0, activations="nvme", gds="on", chunk_elems=4096),
      dict(offload="nvme", nvme_moments=0.5, nvme_master=True, chunk_elems=4096), dict(slots="auto"),
      dict(recompute="never", slots=2)],
-    ids=["disk-tier", "master-on-disk", "auto-window", "kept-graphs-two-slots"],
+    ids=["disk-tier", "disk-tier-direct-io", "master-on-disk", "auto-window", "kept-graphs-two-slots"],
 )
 def test_every_tier_and_window_on_cuda_gives_the_cpu_tiers_parameters(settings, tmp_path):
     from lightning_slide import SlideStrategy
@@ -50,18 +51,8 @@ def test_bf16_on_cuda_with_kernels_stays_within_bf16_noise(activations):
     assert relative_difference(fp32, ours.model, per_tensor_limit=0.1) <= max(2 * noise, 1e-3)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [dict(activations="device", recompute="always"), dict(activations="cpu", recompute="always"),
-     dict(slots="auto", recompute="always"), dict(recompute="auto")],
-    ids=["device", "cpu", "auto-window", "auto-window-and-graphs"])
-def test_no_device_allocation_after_warm_up(settings):
-    model = tiny_model("llama", num_hidden_layers=6)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
-    engine = SlideEngine(model, opt, SlideConfig(**settings), torch.device("cuda"), torch.bfloat16)
-    batches = [x.cuda() for x in token_batches(6)]
-
-    def step(x):
+def _train(engine: SlideEngine, model, batches) -> None:
+    for x in batches:
         engine.new_micro_batch()
         engine.begin_step()
         with torch.autocast("cuda", torch.bfloat16):
@@ -69,12 +60,23 @@ def test_no_device_allocation_after_warm_up(settings):
         loss.backward()
         engine.end_step()
 
-    for x in batches[:2]:
-        step(x)
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(activations="device", recompute="always"), dict(activations="cpu", recompute="always"),
+     dict(slots="auto", recompute="always"), dict(recompute="auto"),
+     dict(offload="nvme", activations="nvme", gds="on", recompute="always")],
+    ids=["device", "cpu", "auto-window", "auto-window-and-graphs", "disk-direct-io"])
+def test_no_device_allocation_after_warm_up(settings, tmp_path):
+    model = tiny_model("llama", num_hidden_layers=6)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-3)
+    config = SlideConfig(**settings, **({"nvme_path": str(tmp_path)} if "offload" in settings else {}))
+    engine = SlideEngine(model, opt, config, torch.device("cuda"), torch.bfloat16)
+    batches = [x.cuda() for x in token_batches(6)]
+    _train(engine, model, batches[:2])
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
-    for x in batches[2:]:
-        step(x)
+    _train(engine, model, batches[2:])
     engine.synchronize()
     torch.cuda.synchronize()
     after = torch.cuda.memory_stats()
@@ -83,6 +85,19 @@ def test_no_device_allocation_after_warm_up(settings):
     assert (kept > 0) == (settings.get("recompute") == "auto"), "recompute='auto' keeps graphs on a roomy GPU"
     assert after["segment.all.allocated"] == before["segment.all.allocated"], "cudaMalloc after warm-up"
     assert after["num_alloc_retries"] == before["num_alloc_retries"]
+
+
+def test_direct_disk_io_moves_activations_between_gpu_memory_and_files_without_pcie_staging(tmp_path):
+    model = tiny_model("llama", num_hidden_layers=4)
+    config = SlideConfig(offload="nvme", activations="nvme", gds="on", nvme_path=str(tmp_path))
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), config, torch.device("cuda"), torch.bfloat16)
+    _train(engine, model, [x.cuda() for x in token_batches(2)])
+    engine.synchronize()
+    stats, store = engine.stats(), engine.activations
+    assert all(b.is_cuda for b in store.disk.buffers)
+    assert stats["disk_write_bytes"] > 0 and stats["disk_read_bytes"] > 0
+    assert store.bytes_out == store.bytes_in == 0, "activations took the pinned host path"
+    engine.close()
 
 
 def test_auto_recompute_keeps_graphs_after_the_first_step_with_the_same_parameters():

@@ -74,11 +74,15 @@ def _lce_problem(tokens: int, vocab: int = V):
     return x, w, y
 
 
+SCHEDULES = ["rows", "rows-pipelined", "vocab"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tokens", [2048, 8192, 16384])
-def test_linear_cross_entropy_matches_reference_at_vocab_128256(tokens):
+def test_linear_cross_entropy_matches_reference_at_vocab_128256(tokens, schedule):
     x, w, y = _lce_problem(tokens)
     xr, wr = _leaf(x), _leaf(w)  # reference: bf16 logits upcast to fp32, as HF computes them
-    loss = ops.linear_cross_entropy(x, w, y)
+    loss = ops.linear_cross_entropy(x, w, y, schedule=schedule)
     loss.backward()
     expected = ops.linear_cross_entropy_reference(xr, wr, y)
     expected.backward()
@@ -86,29 +90,31 @@ def test_linear_cross_entropy_matches_reference_at_vocab_128256(tokens):
     assert _rel(x.grad, xr.grad) < BF16_REL and _rel(w.grad, wr.grad) < BF16_REL
 
 
-def test_linear_cross_entropy_overlapped_and_serial_chunks_agree():
-    """grad_x on a second stream beside the grad_W update: the numbers of one stream (a race on
-    the logits buffer, such as the next chunk overwriting it before grad_x has read it, would not be)."""
+@pytest.mark.parametrize("schedule", ["rows", "rows-pipelined"])
+def test_linear_cross_entropy_overlapped_and_serial_chunks_agree(schedule):
+    """Work on a second stream beside the grad_W update: the numbers of one stream (a race on a
+    logits buffer, such as the next chunk overwriting it before it has been read, would not be)."""
     x, w, y = _lce_problem(8192)
     results = []
     for overlap in (True, False):
         x.grad = w.grad = None
-        loss = ops.linear_cross_entropy(x, w, y, overlap=overlap)
+        loss = ops.linear_cross_entropy(x, w, y, overlap=overlap, schedule=schedule)
         loss.backward()
         results.append((loss.detach(), x.grad, w.grad))
     for got, want in zip(*results):
         assert _rel(got, want) < 1e-3
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("vocab", [V, 151936])
-def test_linear_cross_entropy_needs_at_most_64_mib_beyond_inputs_and_gradients_at_16k_tokens(vocab):
+def test_linear_cross_entropy_needs_at_most_64_mib_beyond_inputs_and_gradients_at_16k_tokens(vocab, schedule):
     x, w, y = _lce_problem(16384, vocab)
-    ops.linear_cross_entropy(x, w, y).backward()  # warm-up: compile, cuBLAS workspaces
+    ops.linear_cross_entropy(x, w, y, schedule=schedule).backward()  # warm-up: compile, cuBLAS workspaces
     x.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ops.linear_cross_entropy(x, w, y).backward()
+    ops.linear_cross_entropy(x, w, y, schedule=schedule).backward()
     torch.cuda.synchronize()
     grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
     transient = torch.cuda.max_memory_allocated() - base - grads

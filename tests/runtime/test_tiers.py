@@ -254,8 +254,7 @@ def test_with_the_master_on_disk_too_less_of_the_model_must_go_to_disk_to_fit_th
     assert 0 < with_master < moments_only < 1
 
 
-@pytest.mark.parametrize("compat", [True, False], ids=["compat-mode", "gds-machine"])
-def test_the_log_names_the_io_path_the_tier_really_takes(compat, monkeypatch):
+def _fake_kvikio(monkeypatch, compat: bool) -> None:
     class Kvikio:
         __version__ = "26.10.00"
 
@@ -265,10 +264,46 @@ def test_the_log_names_the_io_path_the_tier_really_takes(compat, monkeypatch):
                 return compat
 
     monkeypatch.setattr(tiers, "_kvikio", lambda: Kvikio)
-    name = tiers.backend_name()
+
+
+@pytest.mark.parametrize("compat", [True, False], ids=["compat-mode", "gds-machine"])
+def test_the_log_names_the_io_path_the_tier_really_takes(compat, monkeypatch):
+    _fake_kvikio(monkeypatch, compat)
+    direct = tiers.direct_io("auto", torch.device("cuda"))
+    name = tiers.backend_name(direct)
     assert name.startswith("kvikio 26.10.00")
-    assert ("POSIX compatibility mode" in name) == compat
-    assert ("GPUDirect Storage available, unused" in name) == (not compat)
+    assert ("POSIX compatibility mode" in name) == compat == (not direct)
+    assert ("GPUDirect Storage" in name) == direct
+    assert name.endswith("activations staged in " + ("GPU memory" if direct else "pinned host memory"))
+
+
+@pytest.mark.parametrize("setting, compat, device, direct", [
+    ("auto", False, "cuda", True), ("auto", True, "cuda", False), ("auto", False, "cpu", False),
+    ("on", True, "cuda", True), ("off", False, "cuda", False)])
+def test_activations_move_device_memory_directly_only_where_gds_runs_or_when_asked(setting, compat, device, direct,
+                                                                                 monkeypatch):
+    _fake_kvikio(monkeypatch, compat)
+    assert tiers.direct_io(setting, torch.device(device)) == direct
+
+
+@pytest.mark.parametrize("kvikio, device, needs", [(True, "cpu", "CUDA compute device"), (False, "cuda", "kvikio")])
+def test_gds_on_without_cuda_or_kvikio_is_a_clear_error(kvikio, device, needs, monkeypatch):
+    if kvikio:
+        _fake_kvikio(monkeypatch, compat=True)
+    else:
+        monkeypatch.setattr(tiers, "_kvikio", lambda: None)
+    with pytest.raises(ValueError, match=f"gds='on' needs .*{needs}.*use gds='auto' or 'off'"):
+        tiers.direct_io("on", torch.device(device))
+
+
+@pytest.mark.parametrize("compat", [True, False], ids=["compat-mode", "gds-machine"])
+def test_the_plan_puts_activation_staging_in_gpu_memory_with_direct_io(compat, monkeypatch):
+    _fake_kvikio(monkeypatch, compat)
+    shape = ModelShape.from_config(LlamaConfig(**SMALL))
+    setup = Setup(SlideConfig(offload="nvme", activations="nvme"), device="cuda", dtype=torch.bfloat16)
+    staging = [e for e in Plan.static(shape, setup).batch(shape, setup, 4, 256).entries if "staging" in e.what]
+    assert [e.where for e in staging] == ["pinned" if compat else "gpu"]
+    assert staging[0].bytes == 4 * 4 * 256 * SMALL["hidden_size"] * 2
 
 
 def test_nvme_master_without_the_disk_tier_is_a_clear_error():
