@@ -57,6 +57,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--only", type=_kernel_names, help=f"comma-separated kernels to run, of {','.join(KERNELS)}")
+    p.add_argument("--tokens", type=lambda s: tuple(int(t) for t in s.split(",")), default=(4096, 16384, 65536),
+                   help="token counts of the fused-loss problems (comma-separated)")
     p.add_argument("--commit", default=os.environ.get("GIT_COMMIT"))
     return p.parse_args()
 
@@ -407,7 +409,8 @@ def all_cases(device, smoke: bool, compile_ok: bool) -> list[Case]:
     return cases
 
 
-def _lazy_cases(device, smoke: bool, compile_ok: bool, only: frozenset[str] | None = None):
+def _lazy_cases(device, smoke: bool, compile_ok: bool, only: frozenset[str] | None = None,
+                tokens: tuple[int, ...] = (4096, 16384, 65536)):
     """Cases one problem at a time, so a problem's tensors are freed before the next one's.
 
     With `only`, just those kernels' cases (the others' problems are not even built).
@@ -418,7 +421,7 @@ def _lazy_cases(device, smoke: bool, compile_ok: bool, only: frozenset[str] | No
     dt = torch.bfloat16
     problems = [("copy", lambda: [d2d_copy_case(device, 2048 * MIB)])]
     problems += [("linear_cross_entropy", lambda t=tokens, v=vocab: lce_cases(t, v, 4096, device, dt, compile_ok))
-                 for vocab in (128256, 151936) for tokens in (4096, 16384, 65536)]
+                 for vocab in (128256, 151936) for tokens in tokens]
     problems += [("rms_norm", lambda: rms_cases(16384, 4096, device, dt, compile_ok)),
                  ("rope", lambda: rope_cases(16384, 32, 8, 128, device, dt, compile_ok)),
                  ("swiglu", lambda: swiglu_cases(16384, 4096, device, dt, compile_ok)),
@@ -466,7 +469,7 @@ def main() -> None:
     started = time.perf_counter()
     _warm_cublas(device)
     ceiling = None
-    for case in _lazy_cases(device, args.smoke, not (args.no_compile or args.smoke), args.only):
+    for case in _lazy_cases(device, args.smoke, not (args.no_compile or args.smoke), args.only, args.tokens):
         result = run_case(case, device, args.iters if not args.smoke else 2)
         if case.kernel == "copy" and result["ok"]:
             ceiling = result["achieved_gbps"]

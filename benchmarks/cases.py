@@ -83,7 +83,7 @@ class Case:
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
-              "block_grad_buffers": "gradbufs-{}", "update_threads": "threads-{}"}
+              "block_grad_buffers": "gradbufs-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -189,7 +189,6 @@ def _more() -> list[Case]:
         make("slide", "llama3_1b", 32, slide_settings=RECOMPUTE_ALWAYS),
         make("slide", "llama3_3b", 8, slide_settings=RECOMPUTE_ALWAYS),
         make("slide", "llama3_8b", 64, slide_settings=(("block_grad_buffers", 6),)),
-        *(make("slide", "llama3_8b", 8, slide_settings=(("update_threads", n),)) for n in (14, 12)),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
         *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
@@ -276,12 +275,9 @@ def _next() -> list[Case]:
 
 
 def _session5() -> list[Case]:
-    """The 8B 8x1024 step is bound by the CPU update, which ran at 2.6-2.8 Gparam/s beside the copies against
-    3.8-4.9 alone: whether an update that leaves cores to the threads driving the GPU and the copies runs
-    faster in situ (16 = every core, then 14 and 12), in one run; then 8B at 1x16k, never measured."""
-    return [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-threads-14",
-        "llama3_8b-mb8-cap24-slide-cpu-threads-12", "llama3_8b-mb1-seq16384-cap24-slide-cpu")]
+    """What no call has measured yet, cheapest first: 8B at 1x16k, the 8B sequence and 3B micro-batch ladders."""
+    return [CASES[name] for name in ("llama3_8b-mb1-seq16384-cap24-slide-cpu", "llama3_8b-cap24-slide-cpu-max-seq",
+                                     "llama3_3b-cap24-slide-cpu-max-mb")]
 
 
 def _smoke() -> list[Case]:

@@ -35,9 +35,6 @@ class SlideConfig:
     chunk_elems: elements per gradient chunk on its way to the CPU optimizer (bounds pinned landing memory
         and pipelines device-to-host copies with the update).
     grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
-    update_threads: CPU threads the optimizer thread's AdamW uses (torch intra-op threads of that thread);
-        None keeps torch's default (every core). Fewer leave cores to the thread that drives the GPU and to
-        the copy threads, whose stalls hold up every thread of a parallel update.
     use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
     nvme_path: directory for the disk tier (offload="nvme"; default: the system temporary directory). The
         run's files go in a private directory there, removed when training ends (also after an error).
@@ -61,7 +58,6 @@ class SlideConfig:
     block_grad_buffers: int = 3
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
-    update_threads: int | None = None
     use_kernels: bool = True
     nvme_path: str | None = None
     nvme_moments: float | None = None
@@ -79,7 +75,6 @@ class SlideConfig:
             "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
-            "update_threads": self.update_threads is None or self.update_threads >= 1,
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
             "nvme_master": not self.nvme_master or self.offload == "nvme",
             "gds": self.gds in ("auto", "on", "off"),
@@ -112,7 +107,6 @@ _HINTS = {
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
-    "update_threads": "Give at least 1 thread, or None for torch's default.",
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",
     "nvme_master": "The master weights go to disk only with offload='nvme' (the disk tier).",
     "gds": "Choose 'auto' (GPUDirect Storage where kvikio uses it), 'on' or 'off' (pinned host staging).",

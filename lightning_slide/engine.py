@@ -271,7 +271,7 @@ class SlideEngine:
         self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
         chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
         self.moments = Moments(self.storages, files, chunk, self.failure)
-        self.adam = LayerAdam(self.storages, self.moments, self.failure, config.update_threads)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
                              self.h2d, self.adam, training, config.chunk_elems, config.block_grad_buffers)
         pin = device.type == "cuda"

@@ -149,11 +149,9 @@ class LayerAdam:
     loaded for compute only when the two agree.
     """
 
-    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure,
-                 threads: int | None = None) -> None:
+    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure) -> None:
         self.storages, self.moments = storages, moments
         self.failure = failure
-        self._threads = threads
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
         self._acc_fresh = [True] * len(storages)
@@ -172,8 +170,6 @@ class LayerAdam:
         return self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()
 
     def _handle(self, item: GradChunk | DeferredUpdate) -> None:
-        if self._threads is not None and torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)  # the OpenMP team size of this thread's parallel regions
         if isinstance(item, DeferredUpdate):
             acc = self.storages[item.unit].grad_acc
             for start, n in self.moments.spans(item.unit):

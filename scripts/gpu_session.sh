@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one place (device calls are few and short).
 #   bash scripts/gpu_session.sh check   GPU tests (runtime + kernels)
-#   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, NO_COMPILE=1)
+#   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, TOKENS=4096,16384,
+#                                       NO_COMPILE=1, OPS_TIMEOUT=s: what finished in time is still collected)
 #   bash scripts/gpu_session.sh bench   the throughput/memory suite (benchmarks/, `targets` by default)
 #   bash scripts/gpu_session.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #   bash scripts/gpu_session.sh capacity-master  8B with half the units' master and moments on disk
@@ -24,8 +25,8 @@ case "${1:-check}" in
     timeout 300 python3 -m pytest -q -m gpu tests/gpu tests/ops -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     ;;
   ops)
-    timeout 300 python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" ${ONLY:+--only "$ONLY"} \
-      ${NO_COMPILE:+--no-compile} 2>&1 | tee /tmp/bench_ops.log | tail -40
+    timeout "${OPS_TIMEOUT:-300}" python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" \
+      ${ONLY:+--only "$ONLY"} ${TOKENS:+--tokens "$TOKENS"} ${NO_COMPILE:+--no-compile} 2>&1 | tee "$OUT/bench_ops.log" | tail -40
     # at most 8 files come back from the GPU machine: one JSON-lines file and the plot
     python3 -c "import json,glob; print('\n'.join(json.dumps(json.load(open(f))) for f in sorted(glob.glob('/tmp/ops/*.json'))))" > "$OUT/ops_results.jsonl"
     cp /tmp/ops/*.png "$OUT/" 2>/dev/null

@@ -20,24 +20,15 @@ def test_fp32_matches_adamw_with_accumulation_clipping_and_schedule(arch):
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(slots=2), dict(slots="auto"), dict(activations="cpu"), dict(chunk_elems=1024, grad_buffers=2),
-     dict(recompute="never"), dict(recompute="never", slots=2), dict(block_grad_buffers=2), dict(update_threads=1)],
+     dict(recompute="never"), dict(recompute="never", slots=2), dict(block_grad_buffers=2)],
     ids=["default", "two-slots", "auto-slots", "activations-on-host", "small-chunks", "kept-graphs",
-         "kept-graphs-two-slots", "two-gradient-buffers", "one-update-thread"],
+         "kept-graphs-two-slots", "two-gradient-buffers"],
 )
 def test_fp32_matches_adamw_when_updates_overlap_the_backward(settings):
     model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
     expected = reference(model, batches, STEPS)
     got = fit(model, batches, SlideStrategy(**settings), STEPS)
     assert relative_difference(expected, got.model) <= 1e-6
-
-
-def test_the_update_runs_on_update_threads_and_leaves_the_training_threads_count(monkeypatch):
-    seen, fused = [], torch._fused_adamw_
-    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (seen.append(torch.get_num_threads()), fused(*a, **k)))
-    before = torch.get_num_threads()
-    fit(tiny_model("llama"), token_batches(2), SlideStrategy(update_threads=1), 2)
-    assert seen and set(seen) == {1}
-    assert torch.get_num_threads() == before
 
 
 def test_fp32_matches_adamw_with_accumulation_and_no_clipping():
