@@ -420,8 +420,8 @@ def _lazy_cases(device, smoke: bool, compile_ok: bool, only: frozenset[str] | No
         return
     dt = torch.bfloat16
     problems = [("copy", lambda: [d2d_copy_case(device, 2048 * MIB)])]
-    problems += [("linear_cross_entropy", lambda t=tokens, v=vocab: lce_cases(t, v, 4096, device, dt, compile_ok))
-                 for vocab in (128256, 151936) for tokens in tokens]
+    problems += [("linear_cross_entropy", lambda t=count, v=vocab: lce_cases(t, v, 4096, device, dt, compile_ok))
+                 for vocab in (128256, 151936) for count in tokens]
     problems += [("rms_norm", lambda: rms_cases(16384, 4096, device, dt, compile_ok)),
                  ("rope", lambda: rope_cases(16384, 32, 8, 128, device, dt, compile_ok)),
                  ("swiglu", lambda: swiglu_cases(16384, 4096, device, dt, compile_ok)),
