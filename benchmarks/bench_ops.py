@@ -207,8 +207,6 @@ LCE_VARIANTS = {
     "lightning-slide-serial": {"overlap": False},  # the same chunks on one stream
     "lightning-slide-256mib": {"chunk_mib": 256},  # what 4x the memory buys (over the 64 MiB target)
     "lightning-slide-vocab": {"schedule": "vocab"},  # vocabulary slices: grad_W written once, 4 GEMMs
-    "lightning-slide-pipelined": {"schedule": "rows-pipelined"},  # two half buffers, grad_W beside the next chunk
-    "lightning-slide-pipelined-serial": {"schedule": "rows-pipelined", "overlap": False},  # its half chunks, one stream
 }
 
 

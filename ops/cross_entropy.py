@@ -3,7 +3,7 @@
 A causal LM's loss head multiplies every token's hidden state by a vocabulary-sized matrix; for
 16k tokens and a 128k vocabulary the fp32 logits alone are 8 GiB. We compute the logits a block
 at a time into one reused buffer sized to a memory budget (default 63 MiB) and finish the
-gradients during the forward (backward only scales them by the incoming gradient). Three
+gradients during the forward (backward only scales them by the incoming gradient). Two
 schedules (`schedule=`) walk the T x V logits in different blocks; all share the logits GEMM
 (cuBLAS, input dtype, fp32 accumulation) and row-wise Triton kernels that turn a block of logits
 into d(loss)/d(logits) in place.
@@ -32,16 +32,6 @@ on a second, high-priority stream, queued first so its blocks are placed first, 
 update takes the SMs it leaves; the next chunk's logits wait for both. The second stream costs
 cuBLAS one more workspace (kept per stream from first use, so not part of each call's memory).
 
-`"rows-pipelined"`: the row chunks with two buffers of half the budget (128 rows each), so that
-chunk i's memory-bound grad_W update (on the main stream) can run beside chunk i+1's
-compute-bound logits GEMM, row kernel and grad_x (on the high-priority second stream, so the
-update takes the SMs they leave, as above). A buffer is overwritten only after events mark the
-end of its previous chunk's reads. The price: chunks half as large double every per-chunk pass
-over W (the update's read and write of grad_W, and the reads of W by the logits and grad_x GEMMs,
-which at 128 rows do ~128 FLOP per byte of W, below the H200's ~200 FLOP per byte of HBM: memory-
-bound too), so it pays only if the overlap hides more than it adds. With `overlap=False` (or on
-the CPU) it is the row schedule with half-size chunks: the control for the overlap.
-
 `"vocab"` (vocabulary-outer): slices of Vc columns over all T rows (T x Vc logits fit the budget:
 Vc = 1920 at 16k tokens). Pass 1 walks the slices and keeps per row the running max and sum of an
 online log-sum-exp and the target's logit (3 fp32 per token). Pass 2 walks them back, recomputes
@@ -55,10 +45,12 @@ accumulator would be T x H x 4 bytes, 256 MiB at 16k x 4096, four times the budg
 gradient is summed per slice in fp32, also written once. `overlap` does not apply: its GEMMs
 all have full-size outputs.
 
-No `"auto"` schedule: which of these wins at a given T, V, H depends on how well the GEMMs of
-each shape run and how much concurrent streams overlap, which a byte/FLOP count alone does not
-settle (the GEMMs of 128- and 256-row chunks run well below the peak such a count assumes); the
-benchmark (benchmarks/bench_ops.py, `LCE_VARIANTS`) times them side by side.
+Measured (H200, bf16, 16k tokens, hidden 4096, fwd+bwd, benchmarks/results/s5/ops): "rows" 107.6 ms
+and "vocab" 107.0 at vocab 128256; 141.0 and 127.3 at vocab 151936 (Liger-Kernel 87.9 / 106.1 at
+125 / 150 MiB, Cut Cross-Entropy 90.7 / 104.5). The row schedule stays the default; neither beats
+Liger at this budget. A third schedule, two half-size row buffers so that one chunk's grad_W update
+ran beside the next chunk's GEMMs, was measured and removed: 178.8 ms, since halving the chunks
+doubles every pass over W and makes the logits and grad_x GEMMs memory-bound as well.
 
 Options: logit softcapping `c·tanh(z/c)`, a z-loss `w·lse²`, Hugging Face's `num_items_in_batch`
 normaliser, and a bias. With every label ignored the loss is 0, not NaN.
@@ -79,7 +71,7 @@ IGNORE_INDEX = -100
 CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 MiB
 CE_BLOCK = 8192  # vocabulary columns per step of the row kernels' online log-sum-exp
 OVERLAP = True  # default: overlap a chunk's memory-bound grad_W update on a second CUDA stream
-SCHEDULES = ("rows", "rows-pipelined", "vocab")
+SCHEDULES = ("rows", "vocab")
 SCHEDULE = "rows"  # default: see the module docstring
 
 
@@ -384,17 +376,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _lanes(x: torch.Tensor, o: _Options, grad_x, grad_w) -> tuple:
     """The streams of a chunk's (logits + row kernel, grad_x, grad_W + bias) work; all None: in order.
-
-    "rows": grad_x on the high-priority side stream beside the grad_W update (when both exist).
-    "rows-pipelined": the chunk's compute-bound work on the side stream, so that the next chunk's
-    runs beside this chunk's grad_W update on the main stream.
-    """
-    if not (o.overlap and x.is_cuda and grad_w is not None):
+    grad_x runs on the high-priority side stream beside the grad_W update (when both exist)."""
+    if not (o.overlap and x.is_cuda and grad_w is not None and grad_x is not None):
         return None, None, None
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    if o.schedule == "rows-pipelined":
-        return side, side, main
-    return (main, side, main) if grad_x is not None else (None, None, None)
+    main = torch.cuda.current_stream(x.device)
+    return main, _side_stream(x.device), main
 
 
 @contextmanager
@@ -415,26 +401,25 @@ def _mark(stream: torch.cuda.Stream | None) -> list[torch.cuda.Event]:
 
 
 def _row_chunks(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
-    """The row schedules: chunks of rows through one buffer ("rows") or two alternating halves.
+    """The row schedule: chunks of rows through one logits buffer.
 
-    A chunk's logits GEMM overwrites its buffer only after the events that mark the end of that
-    buffer's previous reads (the grad_x and grad_W GEMMs of the chunk before, or of the one before
-    that with two buffers); the gradient GEMMs start after the event that marks its dlogits.
+    A chunk's logits GEMM overwrites the buffer only after the events that mark the end of its
+    previous reads (the grad_x and grad_W GEMMs of the chunk before); the gradient GEMMs start after
+    the event that marks its dlogits.
     Everything used on the side stream is allocated before the loop and lives through the call,
     and the main stream waits for the side stream at the end, so the caching allocator never
     hands out memory that the side stream may still touch.
     """
     T, V = x.shape[0], w.shape[0]
-    halves = 2 if o.schedule == "rows-pipelined" else 1
-    rows = chunk_rows(T, V, x.element_size(), o.chunk_mib / halves)
-    bufs = [torch.empty((rows, V), dtype=x.dtype, device=x.device) for _ in range(min(halves, -(-T // rows)))]
+    rows = chunk_rows(T, V, x.element_size(), o.chunk_mib)
+    buf = torch.empty((rows, V), dtype=x.dtype, device=x.device)
     lane_logits, lane_gx, lane_gw = _lanes(x, o, gx, gw)
     main = torch.cuda.current_stream(x.device) if lane_logits is not None else None
-    free = [_mark(main)] * len(bufs)  # per buffer: after these events it may be overwritten
-    for i, s in enumerate(range(0, T, rows)):
+    free = _mark(main)  # after these events the buffer may be overwritten
+    for s in range(0, T, rows):
         e = min(s + rows, T)
-        xc, lc = x[s:e], bufs[i % len(bufs)][: e - s]
-        with _on(lane_logits, free[i % len(bufs)]):
+        xc, lc = x[s:e], buf[: e - s]
+        with _on(lane_logits, free):
             _logits_into(lc, xc, w, b)
             _rows(lc, y[s:e], loss_rows[s:e], inv, o)
         ready = _mark(lane_logits)
@@ -449,8 +434,8 @@ def _row_chunks(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
                     gw.addmm_(lc.t(), xc)
             if gb is not None:
                 gb += lc.sum(0, dtype=torch.float32)
-        free[i % len(bufs)] = _mark(lane_gx) + _mark(lane_gw)
-    if main is not None:  # grad_x is complete, and the buffers may be freed, only after this
+        free = _mark(lane_gx) + _mark(lane_gw)
+    if main is not None:  # grad_x is complete, and the buffer may be freed, only after this
         main.wait_stream(_side_stream(x.device))
 
 

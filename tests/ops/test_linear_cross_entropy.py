@@ -1,8 +1,7 @@
 """Fused linear cross-entropy: loss and gradients against full-logits PyTorch, in every schedule.
 
 Each schedule's budget (`BUDGET_ROWS`, in rows of logits) gives several blocks with a ragged last
-one: 23 tokens in row chunks of 5 (last 3), half-budget chunks of 2 (last 1) with
-"rows-pipelined", and vocabulary slices of 39 columns (36 in bf16) over all 23 tokens
+one: 23 tokens in row chunks of 5 (last 3) with "rows", and vocabulary slices of 39 columns (36 in bf16) over all 23 tokens
 (97 = 2·39 + 19) with "vocab" (three slices: the interpreter runs its programs one by one).
 """
 import pytest
@@ -16,7 +15,7 @@ from ops import (LinearCrossEntropyHead, causal_lm_loss, causal_targets, linear_
 DTYPES = [torch.float32, torch.bfloat16]
 T, H, V = 23, 16, 97  # odd sizes: 23 tokens in chunks of 5 leave a remainder of 3
 SCHEDULES = lce.SCHEDULES
-BUDGET_ROWS = {"rows": 5, "rows-pipelined": 5, "vocab": 10}
+BUDGET_ROWS = {"rows": 5, "vocab": 10}
 
 
 def _chunk_mib(rows, dtype):
@@ -156,7 +155,6 @@ def test_chunk_holds_at_most_63_mib_of_logits_at_llama3_and_qwen_vocab():
     for vocab in (128256, 151936):
         rows = lce.chunk_rows(16384, vocab, element_size=2)
         assert rows % 8 == 0 and rows * vocab * 2 <= 63 * 2**20
-    assert lce.chunk_rows(16384, 128256, 2, lce.CHUNK_MIB / 2) == 128  # each of the pipelined halves
 
 
 def test_vocabulary_slice_and_its_state_hold_at_most_63_mib():
