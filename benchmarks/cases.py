@@ -83,7 +83,7 @@ class Case:
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
-              "block_grad_buffers": "gradbufs-{}"}
+              "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -189,6 +189,7 @@ def _more() -> list[Case]:
         make("slide", "llama3_1b", 32, slide_settings=RECOMPUTE_ALWAYS),
         make("slide", "llama3_3b", 8, slide_settings=RECOMPUTE_ALWAYS),
         make("slide", "llama3_8b", 64, slide_settings=(("block_grad_buffers", 6),)),
+        make("slide", "llama3_8b", 8, slide_settings=(("chunk_elems", 1 << 22),)),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
         *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
@@ -280,6 +281,23 @@ def _session5() -> list[Case]:
                                      "llama3_3b-cap24-slide-cpu-max-mb")]
 
 
+def _session6() -> tuple[list[Case], list[Case]]:
+    """Two calls of under 9 minutes for what is left: (a) the 3B ladders of every system (DeepSpeed's CPU Adam
+    compiles once per machine, in the first DeepSpeed case) and the plain ones; (b) the 8B DeepSpeed ladder, then
+    whether gradient chunks of 16 MiB (4M elements), small enough to be read back from the CPU's last-level cache
+    after their DMA, cut the 8B 8x1024 step's host-memory traffic (against the default 128 MiB in the same run),
+    then the disk-tier case."""
+    rest = {case.name: case for case in _ladders_rest()}
+    a = [rest[name] for name in (
+        "llama3_3b-cap24-ds3-max-mb", "llama3_3b-cap24-ds2-max-mb", "llama3_3b-cap24-plain-max-mb",
+        "llama3_8b-cap24-plain-max-mb", "llama3_3b-cap24-plain-max-seq", "llama3_8b-cap24-plain-max-seq",
+        "llama3_3b-cap24-slide-cpu-max-seq")]
+    b = [rest["llama3_8b-cap24-ds2-max-mb"]] + [CASES[name] for name in (
+        "probe", "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-chunk-4194304",
+        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
+    return a, b
+
+
 def _smoke() -> list[Case]:
     """A tiny Llama on the CPU: exercises every code path of the harness in seconds, no GPU needed."""
     cpu = dict(cap_gib=None, device="cpu", warmup=2, steps=10, est_s=30)
@@ -315,6 +333,7 @@ SUITES["session3"] = _session3()
 SUITES["session4a"], SUITES["session4b"] = _session4()
 SUITES["next"] = _next()
 SUITES["session5"] = _session5()
+SUITES["session6a"], SUITES["session6b"] = _session6()
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
                          + SUITES["ladders-rest"])
 

@@ -104,7 +104,7 @@ def _normaliser(valid: torch.Tensor, num_items_in_batch) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- row-wise kernels
-# One program per row of a block of logits: all columns (the row schedules) or one vocabulary
+# One program per row of a block of logits: all columns (the row schedule) or one vocabulary
 # slice (the vocab schedule, whose column c of the slice is vocabulary entry c0 + c).
 
 
@@ -167,7 +167,7 @@ def _store_dlogits(P, V, target, lse, scale, z_w, softcap, HAS_SOFTCAP: tl.const
 
 def _ce_rows(L, stride_l, Y, LOSS, INV, V, ignore_index, softcap, z_w,
              HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One whole row (the row schedules): its log-sum-exp, its loss, then dlogits over the logits."""
+    """One whole row (the row schedule): its log-sum-exp, its loss, then dlogits over the logits."""
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
     y = tl.load(Y + row)
@@ -539,7 +539,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     The mean is over non-ignored targets, or the sum divided by `num_items_in_batch` when given
     (HF's convention under gradient accumulation). Returns an fp32 scalar. `chunk_mib` bounds the
     logits buffer(s); `schedule` is one of `SCHEDULES` (module docstring); `overlap` (default
-    `OVERLAP`) lets the row schedules use a second CUDA stream.
+    `OVERLAP`) lets the row schedule use a second CUDA stream.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"linear_cross_entropy: schedule {schedule!r} is not one of {SCHEDULES}")
