@@ -16,7 +16,8 @@ class SlideConfig:
         "none" keeps everything on the compute device (plain training); "nvme" adds the disk tier.
     slots: GPU weight slots in the ring that decoder blocks slide through (>= 2: one computing, one loading),
         or "auto": start with 3 and, after the first step has shown the batch's peak memory, add as many as
-        the spare VRAM holds (up to one per block: blocks then stay resident from forward to backward).
+        the spare VRAM holds (up to one per block: blocks then stay resident from forward to backward); a
+        later micro-batch with more tokens gives the added slots back before its forward and sizes them again.
     activations: where each unit's saved input waits for its backward: "device" (GPU memory), "cpu"
         (pinned host RAM, copied out and prefetched back asynchronously), "nvme" (files of the disk tier), or
         "auto" (the device while all inputs take at most half the free GPU memory, else the offload tier).

@@ -288,7 +288,9 @@ class SlideEngine:
         self._dispatched = 0
         self._step = 0
         self._adapted = False
-        self.adaptation: str | None = None  # what the first step's adaptation did, for the log
+        self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
+        self._step_tokens = 0
+        self.adaptation: str | None = None  # what the last adaptation did, for the log
         self.graphs = GraphBudget(config.recompute)
         self._step_tensor = torch.tensor(0.0)
         self._tape_position = 0
@@ -440,8 +442,9 @@ class SlideEngine:
                                self.needs_acc, update, buffer.release))
 
     # ------------------------------------------------------------------------------ the step protocol
-    def new_micro_batch(self) -> None:
-        """Forget a graph that was never backpropagated (its parts will not report back)."""
+    def new_micro_batch(self, tokens: int | None = None) -> None:
+        """Forget a graph that was never backpropagated (its parts will not report back). `tokens`, when the
+        caller knows them: a micro-batch larger than the one the window was sized for sizes it again."""
         if any(self._pending):
             self._pending = [0] * len(self.storages)
             self._written.clear()
@@ -450,6 +453,10 @@ class SlideEngine:
         self._last_call = None
         self.activations.new_micro_batch()
         self.graphs.new_micro_batch()
+        if tokens is not None:
+            if self._adapted and tokens > self._adapted_tokens:
+                self._reopen_adaptation()
+            self._step_tokens = max(self._step_tokens, tokens)
 
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
@@ -472,9 +479,10 @@ class SlideEngine:
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan)
-        if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # this run's first step
-            self._adapted = True
+        if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
+            self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
+        self._step_tokens = 0
 
     def allocated(self) -> int:
         """Device memory held by tensors now (a host-side counter: no synchronisation); 0 off CUDA."""
@@ -497,8 +505,21 @@ class SlideEngine:
         self.window.grow(grow)
         graphs = ("every part keeps its graph" if math.isinf(self.graphs.limit)
                   else f"{self.graphs.limit / 2**30:.2f} GiB for kept graphs (recompute={self.config.recompute!r})")
-        self.adaptation = (f"{len(self.window.ring)} of {self.window.blocks} blocks have a GPU slot "
+        size = f"micro-batches of up to {self._adapted_tokens} tokens: " if self._adapted_tokens else ""
+        self.adaptation = (f"{size}{len(self.window.ring)} of {self.window.blocks} blocks have a GPU slot "
                            f"({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
+
+    def _reopen_adaptation(self) -> None:
+        """A micro-batch larger than the one the adaptation measured: its activations and workspace need the
+        memory the grown slots and kept graphs took. Give both back before its forward, and size them again
+        after this step, from its own peak (the step recomputes every part, as the first one did; measuring
+        that peak resets torch.cuda's peak-memory statistics)."""
+        if self.config.slots == "auto":
+            self.window.shrink(self.config.initial_slots)
+        self.graphs.allow(0.0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._adapted = False
 
     def _launch_deferred(self, plan: StepPlan) -> None:
         """All gradients summed on the host: clip by the global norm, then update in forward order."""

@@ -91,7 +91,8 @@ class SlideStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
         self.engine: SlideEngine | None = None
         self.plan: Plan | None = None
-        self._planned: tuple | None = None  # (model shape, setup) until the first micro-batch is checked
+        self._planned: tuple | None = None  # (model shape, setup): what micro-batches are checked against
+        self._checked_tokens = 0  # the largest micro-batch checked so far
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -171,7 +172,7 @@ class SlideStrategy(SingleDeviceStrategy):
             self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
             setup = replace(setup, config=self.config)
             self.plan = Plan.static(shape, setup)
-        self._planned = (shape, setup)
+        self._planned, self._checked_tokens = (shape, setup), 0
         rank_zero_info(self.plan.describe())
         if self.config.offload == "nvme":
             direct = direct_io(self.config.gds, self.root_device)
@@ -223,20 +224,20 @@ class SlideStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.sliding:
             return super().training_step(*args, **kwargs)
-        if self._planned is not None:
-            self._check_batch(args[0] if args else None)
-        if self.engine.adaptation is not None:  # once, after the first step sized the window and kept graphs
-            rank_zero_info(f"slideformer after the first step: {self.engine.adaptation}")
+        if self.engine.adaptation is not None:  # after a step that sized the window and kept graphs
+            rank_zero_info(f"slideformer window sized for {self.engine.adaptation}")
             self.engine.adaptation = None
-        self.engine.new_micro_batch()
+        tokens = _token_shape(args[0] if args else None)
+        self.engine.new_micro_batch(None if tokens is None else tokens[0] * tokens[1])
+        if self._planned is not None and tokens is not None and tokens[0] * tokens[1] > self._checked_tokens:
+            self._check_batch(tokens)
         return super().training_step(*args, **kwargs)
 
-    def _check_batch(self, batch: Any) -> None:
-        """Before the first forward allocates: refuse a micro-batch whose activations and workspace cannot fit."""
-        (shape, setup), self._planned = self._planned, None
-        tokens = _token_shape(batch)
-        if tokens is None:
-            return
+    def _check_batch(self, tokens: tuple[int, int]) -> None:
+        """Before the forward of the largest micro-batch so far allocates: refuse it if its activations and
+        workspace cannot fit (the engine has given back what it grew for smaller ones)."""
+        shape, setup = self._planned
+        self._checked_tokens = tokens[0] * tokens[1]
         resources = Resources.probe(self.root_device)
         gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
         needs = self.plan.batch(shape, setup, *tokens, gpu_free)

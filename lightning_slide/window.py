@@ -7,7 +7,8 @@ backward until its gradient has left for the host, so a small ring of gradient b
 (and the ring of weight slots can grow to hold every block without doubling for gradients). A load is one
 pinned-host-to-device copy (plus an on-device cast from the fp32 master) on the h2d lane, ordered by events
 against the compute that last read the slot. Nothing is allocated after warm-up: with slots="auto" the ring
-grows once, after the first step has shown the batch's peak memory.
+grows after the first step has shown the batch's peak memory (and is sized again only when a larger
+micro-batch comes).
 """
 
 from __future__ import annotations
@@ -84,8 +85,19 @@ class Window:
         return self.capacity * self.ring[0].params.element_size() if self.ring else 0
 
     def grow(self, count: int) -> None:
-        """Add `count` block slots (slots="auto", once; the engine sizes it): more blocks stay resident."""
+        """Add `count` block slots (slots="auto"; the engine sizes it): more blocks stay resident."""
         self.ring += [Slot(self.capacity, self.dtype, self.device) for _ in range(count)]
+
+    def shrink(self, count: int) -> None:
+        """Keep the first `count` ring slots: a larger batch needs the memory of the others back.
+
+        Their memory returns to the compute stream's pool, so that stream first waits for any load still
+        copying into them; the units they held load again when next needed.
+        """
+        for slot in self.ring[count:]:
+            if slot.loaded is not None:
+                torch.cuda.current_stream(self.device).wait_event(slot.loaded)
+        del self.ring[count:]
 
     def holding(self, unit: int) -> Slot | None:
         if unit in self.dedicated:

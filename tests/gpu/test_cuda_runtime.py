@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lightning_slide import SlideConfig, SlideEngine
-from tests.runtime.helpers import fit, param_groups, reference, relative_difference, tiny_model, token_batches
+from tests.runtime.helpers import (SEQ, VOCAB, fit, param_groups, reference, relative_difference, tiny_model,
+                                   token_batches)
 
 pytestmark = pytest.mark.gpu
 STEPS = 5
@@ -111,6 +112,19 @@ def test_auto_recompute_keeps_graphs_after_the_first_step_with_the_same_paramete
     got = fit(model, batches, auto, STEPS, accelerator="gpu")
     assert all(torch.equal(p, q) for p, q in zip(recomputed.model.parameters(), got.model.parameters()))
     assert kept[0] >= (STEPS - 1) * 6  # every block of every step after the first
+
+
+def test_micro_batches_of_changing_size_give_the_parameters_of_a_fixed_window_that_recomputes():
+    """A larger micro-batch shrinks the grown window and revokes kept graphs mid-run (while loads may still be
+    copying into the slots it frees), then both grow again: the numbers must not notice."""
+    from lightning_slide import SlideStrategy
+
+    model, g = tiny_model("llama", num_hidden_layers=6), torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for rows in (1, 1, 3, 2, 3, 1)]
+    fixed = fit(model, batches, SlideStrategy(use_kernels=False, slots=3, recompute="always"), len(batches),
+                accelerator="gpu")
+    adaptive = fit(model, batches, SlideStrategy(use_kernels=False), len(batches), accelerator="gpu")
+    assert all(torch.equal(p, q) for p, q in zip(fixed.model.parameters(), adaptive.model.parameters()))
 
 
 def test_master_weights_are_pinned_and_unpinned_at_close():

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from lightning_slide import SlideStrategy
-from tests.runtime.helpers import ARCHS, fit, relative_difference, reference, tiny_model, token_batches
+from tests.runtime.helpers import ARCHS, SEQ, VOCAB, fit, relative_difference, reference, tiny_model, token_batches
 
 STEPS = 5
 
@@ -28,6 +29,23 @@ def test_fp32_matches_adamw_when_updates_overlap_the_backward(settings):
     model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
     expected = reference(model, batches, STEPS)
     got = fit(model, batches, SlideStrategy(**settings), STEPS)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
+def test_micro_batches_of_changing_size_match_adamw_and_a_larger_one_sizes_the_window_again():
+    """The window grows after the first step for that step's batch; a larger micro-batch later gives the grown
+    slots back before its forward (its activations need the memory) and the window grows again after it."""
+    model, g = tiny_model("llama", num_hidden_layers=6), torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for rows in (1, 1, 3, 2, 3)]
+    expected = reference(model, batches, len(batches))
+    strategy, ring = SlideStrategy(slots="auto"), []
+
+    class RingDuringBackward(Callback):
+        def on_before_backward(self, trainer, module, loss):
+            ring.append(len(strategy.engine.window.ring))
+
+    got = fit(model, batches, strategy, len(batches), callbacks=[RingDuringBackward()])
+    assert ring == [3, 6, 3, 6, 6]
     assert relative_difference(expected, got.model) <= 1e-6
 
 

@@ -86,6 +86,6 @@ def test_the_log_says_how_the_first_step_sized_the_window_and_kept_graphs(caplog
 
     with caplog.at_level(logging.INFO):
         fit(tiny_model("llama", num_hidden_layers=6), token_batches(3), "slideformer", 3)
-    lines = [r.getMessage() for r in caplog.records if "after the first step" in r.getMessage()]
-    assert lines == ["slideformer after the first step: 6 of 6 blocks have a GPU slot (3 added, 0.00 GiB); "
-                     "0.00 GiB for kept graphs (recompute='auto')"]
+    lines = [r.getMessage() for r in caplog.records if "window sized" in r.getMessage()]
+    assert lines == ["slideformer window sized for micro-batches of up to 32 tokens: 6 of 6 blocks have a GPU slot "
+                     "(3 added, 0.00 GiB); 0.00 GiB for kept graphs (recompute='auto')"]

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 import lightning_slide.planner as planner
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import GiB, ModelShape, Plan, PlanError, Resources, Setup
-from tests.runtime.helpers import CausalLM, param_groups, tiny_model, token_batches, trainer
+from tests.runtime.helpers import SEQ, VOCAB, CausalLM, param_groups, tiny_model, token_batches, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -215,6 +215,22 @@ def test_a_micro_batch_that_cannot_fit_is_refused_before_its_forward(monkeypatch
     with pytest.raises(PlanError, match="micro_batch"):
         trainer("slideformer", 1, callbacks=[RamRunsOut()]).fit(
             CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+def test_a_later_larger_micro_batch_is_checked_before_its_forward_and_same_size_ones_are_not(monkeypatch):
+    seen = []
+
+    class RamRunsOutAfterTheFirstBatch(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(tuple(batch.shape))
+            monkeypatch.setattr(planner, "available_ram", lambda: 1024)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for rows in (2, 2, 4)]
+    with pytest.raises(PlanError, match="micro_batch"):
+        trainer("slideformer", 3, callbacks=[RamRunsOutAfterTheFirstBatch()]).fit(
+            CausalLM(tiny_model()), DataLoader(batches, batch_size=None))
+    assert seen == [(2, SEQ), (2, SEQ)]
 
 
 def test_the_batch_plan_with_kernels_is_calibrated_below_the_hf_modules_workspace():
