@@ -1,8 +1,9 @@
 """Fused linear cross-entropy: loss and gradients against full-logits PyTorch, in every schedule.
 
 Each schedule's budget (`BUDGET_ROWS`, in rows of logits) gives several blocks with a ragged last
-one: 23 tokens in row chunks of 5 (last 3) with "rows", and vocabulary slices of 39 columns (36 in bf16) over all 23 tokens
-(97 = 2·39 + 19) with "vocab" (three slices: the interpreter runs its programs one by one).
+one: 23 tokens in row chunks of 5 (last 3) with "rows"; vocabulary slices of 39 columns (36 in
+bf16) over all 23 tokens (97 = 2·39 + 19) with "vocab" (three slices: the interpreter runs its
+programs one by one).
 """
 import pytest
 import torch
