@@ -4,6 +4,9 @@ Each intercepted module call (a *part* of a unit) runs as one autograd node. Its
 weights into a slot, computes under no-grad and keeps only the part's input. Its backward fetches that
 input back, recomputes the part with its weights as fresh leaves, writes the weight gradients into the
 slot, and, once every part of a unit is done, hands the unit's gradient to the copy thread and Layer-Adam.
+The next forward needs the units in ascending order and the backward finishes them in descending order, so
+the lowest blocks (as many as there are gradient buffers: they hold their own) wait for the backward's last
+gradient and then go lowest first: the updates the next forward waits for come before those it does not.
 Where device memory is spare, a call keeps its graph instead and its backward skips the recompute (`graphs.py`).
 The engine imports no Lightning: the strategy (or any plain loop) drives it through `begin_step`,
 `end_step`, `synchronize` and the state methods.
@@ -282,6 +285,11 @@ class SlideEngine:
                                           self.tier, self.failure, self.tier is not None and direct_io(config.gds, device))
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
+        ring_units = [u for u, s in enumerate(self.storages) if s.trainable_numel and u not in self.window.dedicated]
+        self._held_back = set(ring_units[: len(self.window.grad_ring)])
+        self._held: list[Dispatch] = []
+        self._update_order = [u for u in reversed(range(len(self.storages))) if u not in self._held_back]
+        self._update_order += sorted(self._held_back)
         self._written: set[int] = set()
         self._receiving: dict[int, GradBuffer] = {}
         self._plan: StepPlan | None = None
@@ -438,8 +446,20 @@ class SlideEngine:
         buffer = self._receiving.pop(unit)
         buffer.idle.clear()
         self._written.difference_update(id(p) for p in storage.params)
-        self.pump.put(Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), self._plan,
-                               self.needs_acc, update, buffer.release))
+        dispatch = Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), self._plan,
+                            self.needs_acc, update, buffer.release)
+        if unit in self._held_back:
+            self._held.append(dispatch)
+        else:
+            self.pump.put(dispatch)
+        if not any(self._pending):  # the backward's last gradient
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Hand the held-back gradients over, lowest unit first (the order the next forward loads them)."""
+        for dispatch in sorted(self._held, key=lambda d: d.unit):
+            self.pump.put(dispatch)
+        self._held.clear()
 
     # ------------------------------------------------------------------------------ the step protocol
     def new_micro_batch(self, tokens: int | None = None) -> None:
@@ -449,6 +469,7 @@ class SlideEngine:
             self._pending = [0] * len(self.storages)
             self._written.clear()
             self._receiving.clear()
+            self._release_held()  # complete gradients, as the units the abandoned backward did dispatch
         self._tape_position = 0
         self._last_call = None
         self.activations.new_micro_batch()
@@ -463,8 +484,8 @@ class SlideEngine:
         self.failure.check()
         self._plan = snapshot(self.optimizer, self._step + 1, self.clip_norm)
         self._dispatched = 0
-        if not self.deferred:  # backward dispatches units last to first
-            self.moments.plan(reversed(range(len(self.storages))))
+        if not self.deferred:  # the order in which this step's backward hands units to the optimizer
+            self.moments.plan(self._update_order)
 
     def end_step(self) -> None:
         plan, self._plan = self._plan, None

@@ -49,6 +49,17 @@ def test_micro_batches_of_changing_size_match_adamw_and_a_larger_one_sizes_the_w
     assert relative_difference(expected, got.model) <= 1e-6
 
 
+def test_the_updates_the_next_forward_waits_for_come_first(monkeypatch):
+    """The backward finishes the units last to first; the three lowest blocks (one per gradient buffer) wait
+    for the embedding and then go in the order the next forward loads them."""
+    import lightning_slide.layer_adam as layer_adam
+
+    order, adam_ = [], layer_adam.adam_
+    monkeypatch.setattr(layer_adam, "adam_", lambda storage, *a: (order.append(storage.name), adam_(storage, *a)))
+    fit(tiny_model("llama", num_hidden_layers=6), token_batches(1), SlideStrategy(block_grad_buffers=3), 1)
+    assert order == ["head", "block.5", "block.4", "block.3", "embed", "block.0", "block.1", "block.2"]
+
+
 def test_fp32_matches_adamw_with_accumulation_and_no_clipping():
     model, batches = tiny_model("llama"), token_batches(STEPS * 3)
     expected = reference(model, batches, STEPS, accumulate=3)
