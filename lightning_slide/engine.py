@@ -281,8 +281,9 @@ class SlideEngine:
         widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
         self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
                              self.failure, widen_on) if training else None
+        direct = self.tier is not None and direct_io(config.gds, device)
         self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
-                                          self.tier, self.failure, self.tier is not None and direct_io(config.gds, device))
+                                          self.tier, self.failure, direct)
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
         ring_units = [u for u, s in enumerate(self.storages) if s.trainable_numel and u not in self.window.dedicated]

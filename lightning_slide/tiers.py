@@ -6,9 +6,10 @@ compatibility mode elsewhere) and through plain `os.preadv`/`os.pwritev` otherwi
 which. Adam runs on the CPU, so the moments' buffers are host memory. Activations live on the GPU: with
 GPUDirect Storage their staging buffers are device memory that kvikio reads and writes straight from the
 disk (`direct_io`); without it they pass through pinned host buffers, since kvikio's compatibility mode
-would bounce device memory through its own host buffers anyway, one more copy. Files live in a private directory under `nvme_path` that is removed on close, at
-interpreter exit and when the owner is garbage collected, so an exception never leaves them behind. A
-short read or write is an error naming the file, never silent.
+would bounce device memory through its own host buffers anyway, one more copy. Files live in a private
+directory under `nvme_path` that is removed on close, at interpreter exit and when the owner is garbage
+collected, so an exception never leaves them behind. A short read or write is an error naming the file,
+never silent.
 """
 
 from __future__ import annotations
