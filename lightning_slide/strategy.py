@@ -16,7 +16,6 @@ from dataclasses import replace
 from typing import Any, Generator, Mapping
 
 import torch
-from torch.utils._pytree import tree_flatten
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -27,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities import apply_to_collection
 
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
@@ -37,11 +37,19 @@ from lightning_slide.tiers import backend_name, direct_io
 
 
 def _token_shape(batch: Any) -> tuple[int, int] | None:
-    """(micro-batch, sequence length) of the first 2-D integer tensor in a batch (the token ids)."""
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not leaf.is_floating_point():
-            return int(leaf.shape[0]), int(leaf.shape[1])
-    return None
+    """(micro-batch, sequence length) of the first 2-D integer tensor in a batch (the token ids).
+
+    Lightning's collection walk, not torch's pytree: it also opens Mappings such as the `BatchEncoding`
+    that Hugging Face tokenizers and collators return.
+    """
+    found: list[tuple[int, int]] = []
+
+    def visit(t: torch.Tensor) -> None:
+        if t.ndim == 2 and not t.is_floating_point():
+            found.append((int(t.shape[0]), int(t.shape[1])))
+
+    apply_to_collection(batch, torch.Tensor, visit)
+    return found[0] if found else None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

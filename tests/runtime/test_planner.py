@@ -233,6 +233,17 @@ def test_a_later_larger_micro_batch_is_checked_before_its_forward_and_same_size_
     assert seen == [(2, SEQ), (2, SEQ)]
 
 
+def test_the_token_shape_of_a_hugging_face_batch_encoding_is_found():
+    from transformers import BatchEncoding
+
+    from lightning_slide.strategy import _token_shape
+
+    ids = torch.randint(0, VOCAB, (3, SEQ))
+    batch = BatchEncoding({"attention_mask": torch.ones(3, SEQ, dtype=torch.long), "input_ids": ids})
+    assert _token_shape(batch) == (3, SEQ)
+    assert _token_shape({"pixel_values": torch.randn(3, SEQ)}) is None
+
+
 def test_the_batch_plan_with_kernels_is_calibrated_below_the_hf_modules_workspace():
     shape = _llama_8b()
     with_kernels = Plan.static(shape, Setup(SlideConfig())).batch(shape, Setup(SlideConfig()), 64, 1024)
