@@ -407,7 +407,8 @@ class SlideEngine:
         protect = set(part.owners)
         for u in (u for u in ahead if 0 <= u < len(self.storages)):
             protect.add(u)
-            self.window.ensure(u, part.unit, direction, protect)
+            if self.adam.ready(u):  # a prefetch never waits for an update (at a step's start): the unit's call will
+                self.window.ensure(u, part.unit, direction, protect)
 
     def _compute(self, part: Part, slots: dict[int, Slot], leaves: list, spec: Any, weights: dict) -> Any:
         tensors = [weights.get(id(b)) if id(b) in weights else b.view(slots[b.owner].params) for b in part.bindings]

@@ -163,6 +163,10 @@ class LayerAdam:
     def put(self, item: GradChunk | DeferredUpdate) -> None:
         self.worker.put(item)
 
+    def ready(self, unit: int) -> bool:
+        """Every update launched for `unit` is applied: loading it now would not wait."""
+        return self.applied[unit] >= self.scheduled[unit]
+
     def wait_applied(self, unit: int) -> float:
         return self.failure.wait(lambda: self.applied[unit] >= self.scheduled[unit], f"the update of unit {unit}")
 

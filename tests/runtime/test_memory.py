@@ -89,3 +89,23 @@ def test_the_log_says_how_the_first_step_sized_the_window_and_kept_graphs(caplog
     lines = [r.getMessage() for r in caplog.records if "window sized" in r.getMessage()]
     assert lines == ["slideformer window sized for micro-batches of up to 32 tokens: 6 of 6 blocks have a GPU slot "
                      "(3 added, 0.00 GiB); 0.00 GiB for kept graphs (recompute='auto')"]
+
+
+def test_a_lookahead_load_skips_a_unit_whose_update_is_still_pending():
+    """At a step's start the next units may still be updating: their own calls wait, the prefetch does not."""
+    import threading
+
+    model = tiny_model("llama", num_hidden_layers=6)
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(slots=3), torch.device("cpu"),
+                         torch.float32)
+    engine.adam.schedule(2)  # an update of unit 2 launched, not applied yet
+    embedding = next(p for p in engine.parts if p.unit == 0)
+    left = threading.Thread(target=engine._leave, args=(embedding, {}, +1), daemon=True)
+    left.start()
+    left.join(timeout=5)
+    pending = left.is_alive()
+    engine.adam.applied[2] += 1
+    left.join()
+    assert not pending, "the prefetch waited for unit 2's update"
+    assert engine.window.holding(1) is not None and engine.window.holding(2) is None
+    engine.close()
