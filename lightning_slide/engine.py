@@ -155,8 +155,8 @@ class _Call:
         leaves = list(self.leaves)
         for i, x in zip(self.grad_positions, inputs):
             leaves[i] = x
-        trainable = [b for b in self.part.bindings if b.trainable]
-        self.weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in trainable}
+        self.trainable = [b for b in self.part.bindings if b.trainable]
+        self.weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in self.trainable}
         self.views = SlotViews(slots) if keep else None
         with torch.enable_grad(), self.views or nullcontext():
             return self.engine._compute(self.part, slots, leaves, self.spec, self.weights)
@@ -194,9 +194,9 @@ class _Call:
         grads = torch.autograd.grad(
             [o for o, _ in pairs], [*self.inputs, *self.weights.values()], [g for _, g in pairs], allow_unused=True
         )
-        engine._store_grads(part, [b for b in part.bindings if b.trainable], grads[len(self.inputs) :])
+        engine._store_grads(part, self.trainable, grads[len(self.inputs) :])
         engine._leave(part, slots, -1)
-        self.saved, self.leaves, self.inputs, self.weights, self.views = [], [], [], {}, None
+        self.saved, self.leaves, self.inputs, self.trainable, self.weights, self.views = [], [], [], [], {}, None
         return list(grads[: len(self.grad_positions)])
 
 
@@ -521,7 +521,7 @@ class SlideEngine:
         """
         grow = self.window.blocks - len(self.window.ring) if self.config.slots == "auto" else 0
         if self.device.type == "cuda":
-            limit = available_vram(self.device) + torch.cuda.memory_allocated(self.device)
+            limit = available_vram(self.device) + self.allocated()
             spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
             grow = max(0, min(grow, int(spare // max(self.window.slot_bytes, 1))))
             self.graphs.allow(spare - grow * self.window.slot_bytes)

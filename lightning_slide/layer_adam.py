@@ -168,7 +168,7 @@ class LayerAdam:
         return self.applied[unit] >= self.scheduled[unit]
 
     def wait_applied(self, unit: int) -> float:
-        return self.failure.wait(lambda: self.applied[unit] >= self.scheduled[unit], f"the update of unit {unit}")
+        return self.failure.wait(lambda: self.ready(unit), f"the update of unit {unit}")
 
     def drain(self) -> float:
         return self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()

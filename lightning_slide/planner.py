@@ -237,9 +237,9 @@ def _saved_inputs_go(setup: Setup, acts: int, gpu_left: int | None) -> str:
 def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     """storage.py + moments.py: fp32 master (pinned on CUDA, or on disk), Adam moments (RAM or disk), extras."""
     n, t = shape.numel, shape.trainable if setup.training else 0
-    disk_units = [shape.units[u] for u in _moments_on_disk(shape, setup)]
-    master_on_disk = sum(u.numel for u in disk_units) if setup.config.nvme_master else 0
-    moments_on_disk = sum(u.trainable for u in disk_units)
+    on_disk = [shape.units[u] for u in _moments_on_disk(shape, setup)]
+    master_on_disk = sum(u.numel for u in on_disk) if setup.config.nvme_master else 0
+    moments_on_disk = sum(u.trainable for u in on_disk)
     more_disk = ("a larger nvme_moments" if setup.config.offload == "nvme"
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     entries = [
@@ -247,12 +247,12 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
               "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
         Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * (t - moments_on_disk), more_disk),
     ]
-    if disk_units:
+    if on_disk:
         width = 12 if master_on_disk else 8
         chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
         what = "fp32 master + Adam moments" if master_on_disk else "Adam exp_avg + exp_avg_sq"
         entries += [Entry(f"{what} on disk", "disk", sum(align(4 * u.numel * bool(master_on_disk) + 8 * u.trainable)
-                                                         for u in disk_units), "a smaller nvme_moments"),
+                                                         for u in on_disk), "a smaller nvme_moments"),
                     Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * width * chunk,
                           "a smaller chunk_elems")]
     if setup.training and setup.grad_sums:

@@ -235,10 +235,11 @@ class SlideStrategy(SingleDeviceStrategy):
         if self.engine.adaptation is not None:  # after a step that sized the window and kept graphs
             rank_zero_info(f"slideformer window sized for {self.engine.adaptation}")
             self.engine.adaptation = None
-        tokens = _token_shape(args[0] if args else None)
-        self.engine.new_micro_batch(None if tokens is None else tokens[0] * tokens[1])
-        if self._planned is not None and tokens is not None and tokens[0] * tokens[1] > self._checked_tokens:
-            self._check_batch(tokens)
+        shape = _token_shape(args[0] if args else None)
+        tokens = None if shape is None else shape[0] * shape[1]
+        self.engine.new_micro_batch(tokens)
+        if self._planned is not None and tokens is not None and tokens > self._checked_tokens:
+            self._check_batch(shape)
         return super().training_step(*args, **kwargs)
 
     def _check_batch(self, tokens: tuple[int, int]) -> None:
