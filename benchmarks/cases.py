@@ -83,7 +83,7 @@ class Case:
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
-              "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}", "grad_transfer": "grads-{}"}
+              "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -148,7 +148,6 @@ _DS3_8B_HOST_OOM = ("ANCHORS 2026-11-29: host memory climbed to 122 GiB during s
 _DS3_3B_MB32_OOM = "ANCHORS 2026-11-29: CUDA out of memory allocating 15.66 GiB (the full logits tensor)"
 SLOTS_AUTO: Settings = (("slots", "auto"),)
 RECOMPUTE_ALWAYS: Settings = (("recompute", "always"),)  # the default ("auto") keeps graphs where VRAM is spare
-GRADS_COMPUTE: Settings = (("grad_transfer", "compute"),)  # bf16 over PCIe, widened by the optimizer thread
 
 
 def nvme(moments: float) -> Settings:
@@ -191,7 +190,6 @@ def _more() -> list[Case]:
         make("slide", "llama3_3b", 8, slide_settings=RECOMPUTE_ALWAYS),
         make("slide", "llama3_8b", 64, slide_settings=(("block_grad_buffers", 6),)),
         make("slide", "llama3_8b", 8, slide_settings=(("chunk_elems", 1 << 22),)),
-        *(make("slide", "llama3_8b", mb, slide_settings=GRADS_COMPUTE) for mb in (8, 64)),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
         *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
@@ -302,15 +300,6 @@ def _session6() -> tuple[list[Case], list[Case], list[Case]]:
     return a, b, c
 
 
-def _session7() -> list[Case]:
-    """Whether gradients sent in bf16 and widened by the optimizer thread in cache-sized pieces (half the PCIe
-    bytes and half the host-memory reads of a gradient) move the two 8B targets, against fp32 in the same run."""
-    return [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb8-cap24-slide-cpu-grads-compute",
-        "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu-grads-compute",
-        "llama3_8b-mb64-cap24-slide-cpu")]
-
-
 def _smoke() -> list[Case]:
     """A tiny Llama on the CPU: exercises every code path of the harness in seconds, no GPU needed."""
     cpu = dict(cap_gib=None, device="cpu", warmup=2, steps=10, est_s=30)
@@ -347,7 +336,6 @@ SUITES["session4a"], SUITES["session4b"] = _session4()
 SUITES["next"] = _next()
 SUITES["session5"] = _session5()
 SUITES["session6a"], SUITES["session6b"], SUITES["session6c"] = _session6()
-SUITES["session7"] = _session7()
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
                          + SUITES["ladders-rest"])
 

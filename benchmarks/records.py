@@ -21,8 +21,8 @@ BOUNDS_FORMULA = {
 }
 TRAFFIC = {
     "slide": "h2d: weights twice per step (fwd, bwd) in the engine's h2d_source dtype (fp32 master: 4 B/param, "
-             "bf16 shadow: 2); d2h: grads in the engine's grad_transfer dtype (fp32: 4 B/param, compute: 2); + unit "
-             "inputs both ways when activations='cpu'",
+             "bf16 shadow: 2); d2h: fp32 grads (4 B/param; our runtime sends fp32 grads); + unit inputs both "
+             "ways when activations='cpu'",
     "ds2": "h2d: bf16 params after the CPU update (2 B/param); d2h: bf16 grads (2 B/param)",
     "ds3": "h2d: bf16 params fetched for fwd and bwd (4 B/param); d2h: bf16 grads (2 B/param)",
 }
@@ -130,8 +130,7 @@ def traffic_bytes(record: dict) -> tuple[float, float]:
     weight_bytes = 2 if config.get("h2d_source") == "shadow" else 4
     spec = MODELS[record["model_key"]]
     activations = spec.layers * record["tokens_per_step"] * spec.hidden * 2 if config.get("activations") == "cpu" else 0
-    grad_bytes = 2 if config.get("grad_transfer") == "compute" else 4
-    return 2.0 * n * weight_bytes + activations, grad_bytes * n + activations
+    return 2.0 * n * weight_bytes + activations, 4.0 * n + activations
 
 
 def engine_per_step(stats: dict) -> dict:

@@ -30,11 +30,6 @@ class SlideConfig:
     h2d_source: what a unit load reads from host memory. "master": the pinned fp32 master, cast to the
         compute dtype on the GPU (no extra RAM, 4 PCIe bytes/param); "shadow": a pinned bf16 copy the
         optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
-    grad_transfer: the dtype a gradient crosses PCIe in. "fp32": widened on the GPU chunk by chunk, so the
-        optimizer reads fp32 straight from the landing buffer (4 PCIe bytes/param); "compute": sent as
-        computed (bf16: 2 bytes/param) and widened by the optimizer thread in cache-sized pieces just before
-        each AdamW call, which halves both the PCIe bytes and the host-memory reads of every gradient. Both
-        give the same update bit for bit (widening is exact).
     block_grad_buffers: GPU buffers, each one block in the compute dtype, that hold a block's gradient from its
         backward until it has left for the CPU (>= 2: one being written, one leaving); more let the backward
         run further ahead of a slower CPU update.
@@ -61,7 +56,6 @@ class SlideConfig:
     activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
     recompute: Literal["auto", "always", "never"] = "auto"
     h2d_source: Literal["master", "shadow"] = "master"
-    grad_transfer: Literal["fp32", "compute"] = "fp32"
     block_grad_buffers: int = 3
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
@@ -79,7 +73,6 @@ class SlideConfig:
                 self.activations == "nvme" and self.offload == "nvme"),
             "recompute": self.recompute in ("auto", "always", "never"),
             "h2d_source": self.h2d_source in ("master", "shadow"),
-            "grad_transfer": self.grad_transfer in ("fp32", "compute"),
             "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024,
             "grad_buffers": self.grad_buffers >= 2,
@@ -112,7 +105,6 @@ _HINTS = {
     "activations": "Choose 'auto', 'device', 'cpu', or 'nvme' together with offload='nvme'.",
     "recompute": "Choose 'auto' (keep graphs where VRAM is spare), 'always' (least memory) or 'never'.",
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
-    "grad_transfer": "Choose 'fp32' (widened on the GPU) or 'compute' (sent in the compute dtype, widened on the CPU).",
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",

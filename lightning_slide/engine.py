@@ -33,7 +33,7 @@ from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, fin
 from lightning_slide.available import available_vram
 from lightning_slide.config import SlideConfig
 from lightning_slide.graphs import GraphBudget, SlotViews
-from lightning_slide.layer_adam import WIDEN_PIECE, DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
+from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units, unit_file
 from lightning_slide.storage import UnitStorage
@@ -274,15 +274,13 @@ class SlideEngine:
         self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
         chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
         self.moments = Moments(self.storages, files, chunk, self.failure)
-        landing = dtype if config.grad_transfer == "compute" else torch.float32
-        widen = min(WIDEN_PIECE, chunk) if training and landing != torch.float32 else 0
-        self.adam = LayerAdam(self.storages, self.moments, self.failure, widen)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
                              self.h2d, self.adam, training, config.chunk_elems, config.block_grad_buffers)
         pin = device.type == "cuda"
-        on_device = config.grad_transfer == "fp32" and device.type == "cuda" and dtype != torch.float32
-        self.pump = GradPump(LandingRing(config.grad_buffers, chunk, landing, pin, self.failure), self.d2h, self.adam,
-                             self.failure, device if on_device else None) if training else None
+        widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
+        self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
+                             self.failure, widen_on) if training else None
         direct = self.tier is not None and direct_io(config.gds, device)
         self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
                                           self.tier, self.failure, direct)

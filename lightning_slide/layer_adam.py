@@ -9,7 +9,6 @@ steps the LR scheduler while this thread may still be updating that step's units
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,8 +18,6 @@ from lightning_slide.moments import Moments
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
-
-WIDEN_PIECE = 1 << 21  # fp32 elements (8 MiB) of the piece a low-precision gradient is widened in: cache-sized
 
 
 @dataclass(frozen=True)
@@ -149,17 +146,15 @@ class LayerAdam:
     """Owns the unit storages' optimizer state and the thread that updates them.
 
     `scheduled[u]` counts updates launched for unit u, `applied[u]` those finished: a unit's weights may be
-    loaded for compute only when the two agree. `widen` is the size of the fp32 buffer that gradients landing
-    in a low-precision dtype are widened in (0 when they land as fp32).
+    loaded for compute only when the two agree.
     """
 
-    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure, widen: int = 0) -> None:
+    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure) -> None:
         self.storages, self.moments = storages, moments
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
         self._acc_fresh = [True] * len(storages)
-        self.wide = torch.empty(widen)
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     def schedule(self, unit: int) -> None:
@@ -197,19 +192,8 @@ class LayerAdam:
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
         state, done = self.moments.open(unit, start, grad.numel())
-        for offset, piece in self._fp32_pieces(grad):
-            adam_(self.storages[unit], plan, start + offset, piece, *(t[offset : offset + len(piece)] for t in state))
+        adam_(self.storages[unit], plan, start, grad, *state)
         done()
-
-    def _fp32_pieces(self, grad: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """`grad` itself when fp32; else widened piece by piece into one small buffer, which the update then
-        reads from the CPU's caches instead of host memory (SlideConfig.grad_transfer="compute")."""
-        if grad.dtype == torch.float32:
-            yield 0, grad
-            return
-        for offset in range(0, len(grad), len(self.wide)):
-            piece = grad[offset : offset + len(self.wide)]
-            yield offset, self.wide[: len(piece)].copy_(piece)
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
         acc = self.storages[item.unit].grad_acc[item.start : item.start + item.grad.numel()]

@@ -19,7 +19,6 @@ from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram
 from lightning_slide.config import SlideConfig
-from lightning_slide.layer_adam import WIDEN_PIECE
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.tiers import align, direct_io
 
@@ -309,18 +308,13 @@ def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
 
 
 def _transfer(shape: ModelShape, setup: Setup) -> list[Entry]:
-    """transfer.py: the gradient landing ring (pinned on CUDA) and the buffer gradients are widened to fp32 in:
-    a chunk on the device, or a cache-sized piece on the host (grad_transfer="compute", layer_adam.py)."""
+    """transfer.py: the gradient landing ring (pinned on CUDA) and the device-side fp32 widening buffer."""
     if not setup.training:
         return []
     chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
-    sent = setup.config.grad_transfer if setup.low_precision else "fp32"
-    width = 4 if sent == "fp32" else setup.compute_bytes
-    entries = [Entry(f"gradient landing ring ({setup.config.grad_buffers} x {sent} chunk)", setup.pinned,
-                     setup.config.grad_buffers * chunk * width, "fewer grad_buffers or a smaller chunk_elems")]
-    if sent == "compute":
-        entries.append(Entry("fp32 gradient widening piece", "ram", 4 * min(WIDEN_PIECE, chunk), ""))
-    elif setup.cuda and setup.low_precision:
+    entries = [Entry(f"gradient landing ring ({setup.config.grad_buffers} x fp32 chunk)", setup.pinned,
+                     setup.config.grad_buffers * chunk * 4, "fewer grad_buffers or a smaller chunk_elems")]
+    if setup.cuda and setup.low_precision:
         entries.append(Entry("fp32 gradient widening buffer", "gpu", chunk * 4, "a smaller chunk_elems"))
     return entries
 

@@ -20,10 +20,10 @@ from lightning_slide.threads import Failure, Worker
 
 
 class LandingRing:
-    """`count` pinned buffers of `elems` each, handed out in order and returned by the optimizer."""
+    """`count` pinned fp32 buffers of `elems` each, handed out in order and returned by the optimizer."""
 
-    def __init__(self, count: int, elems: int, dtype: torch.dtype, pin: bool, failure: Failure) -> None:
-        self.buffers = [torch.empty(elems, dtype=dtype, pin_memory=pin) for _ in range(count)]
+    def __init__(self, count: int, elems: int, pin: bool, failure: Failure) -> None:
+        self.buffers = [torch.empty(elems, pin_memory=pin) for _ in range(count)]
         self.events = [torch.cuda.Event() if pin else None for _ in range(count)]
         self._free = deque(range(count))
         self._lock = threading.Lock()
@@ -60,9 +60,8 @@ class Dispatch:
 class GradPump:
     """The copy thread: chunks each dispatched gradient through the landing ring to Layer-Adam.
 
-    With `widen_on` (a device), low-precision gradients are widened to fp32 there, one chunk at a time, on
-    their way out: the CPU optimizer reads fp32 straight from the landing buffer. Without it they land as
-    they are (SlideConfig.grad_transfer) and Layer-Adam widens them; either way GPU slots stay half the size.
+    Low-precision gradients are widened to fp32 on the device, one chunk at a time, on their way out: the
+    CPU optimizer reads fp32 without a conversion pass over host memory, and GPU slots stay half the size.
     """
 
     def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure, widen_on: torch.device | None) -> None:
@@ -92,4 +91,4 @@ class GradPump:
                               item.accumulate, item.update, last=end == n)
                 )
             item.done(self.d2h.record())
-        self.bytes += n * self.ring.buffers[0].element_size()
+        self.bytes += n * 4

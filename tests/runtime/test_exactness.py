@@ -103,23 +103,3 @@ def test_bf16_mixed_stays_within_bf16_noise_of_fp32_training(h2d_source):
     noise = relative_difference(fp32, lightning_bf16.model, per_tensor_limit=0.1)
     assert relative_difference(fp32, ours.model, per_tensor_limit=0.1) <= max(2 * noise, 1e-3)
     assert relative_difference(lightning_bf16.model, ours.model, per_tensor_limit=0.1) <= 2e-2
-
-
-@pytest.mark.parametrize(
-    "window, settings",
-    [(dict(), dict()), (dict(accumulate=2, clip=0.5), dict()),
-     (dict(), dict(offload="nvme", nvme_moments=0.5, nvme_master=True))],
-    ids=["updates-in-backward", "deferred", "state-on-disk"],
-)
-def test_gradients_sent_in_the_compute_dtype_update_bit_for_bit_like_fp32(window, settings, monkeypatch, tmp_path):
-    """bf16 gradients widened by the optimizer thread in small pieces (across chunk and param-group
-    boundaries) give exactly the parameters of gradients widened before they leave the device."""
-    import lightning_slide.engine as engine
-
-    monkeypatch.setattr(engine, "WIDEN_PIECE", 1000)
-    model, batches = tiny_model("llama"), token_batches(STEPS * 2)
-    settings = {**settings, "chunk_elems": 4096} | ({"nvme_path": str(tmp_path)} if settings else {})
-    runs = [fit(model, batches, SlideStrategy(grad_transfer=sent, **settings), STEPS, precision="bf16-mixed", **window)
-            for sent in ("fp32", "compute")]
-    assert all(torch.equal(p, q) for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters()))
-

@@ -28,13 +28,13 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 
 
 def _engine_bytes(engine: SlideEngine) -> int:
-    """Every buffer the engine allocated at construction: host state, slots, landing ring, widening piece."""
+    """Every buffer the engine allocated at construction: host state, slots, landing ring."""
     state = [t for s in engine.storages
              for t in (s.master, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.shadow, s.grad_acc)]
     window = engine.window
     slots = [s.params for s in [*window.ring, *window.dedicated.values()]] + [
         b.grads for b in [*window.grad_ring, *window.grad_buffers.values()]]
-    landing = [*engine.pump.ring.buffers, engine.adam.wide] if engine.pump else []
+    landing = engine.pump.ring.buffers if engine.pump else []
     return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing] if t is not None)
 
 
@@ -44,7 +44,6 @@ def _engine_bytes(engine: SlideEngine) -> int:
         ("llama", torch.float32, True, {}),
         ("qwen2-tied", torch.float32, True, {"grad_sums": True, "amsgrad": True}),
         ("qwen3", torch.bfloat16, True, {"config": SlideConfig(h2d_source="shadow", chunk_elems=1024)}),
-        ("llama", torch.bfloat16, True, {"config": SlideConfig(grad_transfer="compute")}),
         ("llama", torch.float32, True, {"config": SlideConfig(block_grad_buffers=5)}),
         ("mistral", torch.float32, False, {}),
     ],
