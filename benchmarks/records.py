@@ -137,15 +137,20 @@ def engine_per_step(stats: dict) -> dict:
     """Per-step seconds and bytes from the engine's stats snapshots at the window's start and end.
 
     If the snapshots carry a step counter `steps`, the values are read as running totals and the
-    window's difference is divided by its steps; otherwise the end snapshot is taken as per-step.
+    window's difference is divided by its steps; otherwise the end snapshot is taken as per-step. A dict of
+    such values (e.g. waits per unit) is treated the same way, key by key.
     """
     start, end = stats.get("start") or {}, stats.get("end") or {}
-    numeric = {k: v for k, v in end.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and k.endswith(("_s", "_bytes"))}
     steps = end.get("steps", 0) - start.get("steps", 0) if isinstance(start.get("steps"), (int, float)) else 0
-    if steps > 0:
-        return {k: (v - start.get(k, 0)) / steps for k, v in numeric.items()}
-    return numeric
+
+    def per_step(now: object, before: object) -> object:
+        if isinstance(now, dict):
+            before = before if isinstance(before, dict) else {}
+            return {k: per_step(v, before.get(k, 0)) for k, v in now.items()}
+        return (now - before) / steps if steps > 0 else now
+
+    return {k: per_step(v, start.get(k, 0)) for k, v in end.items() if k.endswith(("_s", "_bytes"))
+            and (isinstance(v, dict) or (isinstance(v, (int, float)) and not isinstance(v, bool)))}
 
 
 def _engine_value(record: dict, key: str, default: object) -> object:

@@ -169,6 +169,22 @@ def _ending(ladder: dict) -> str:
     return text
 
 
+def waits_md(records: list[dict]) -> str:
+    """Per lightning-slide case, per step: how busy the optimizer and copy threads were, how long the training
+    thread waited for a free gradient buffer and for updates, and the units whose updates it waited for most."""
+    rows = []
+    for r in records:
+        engine = r.get("engine_per_step") or {}
+        if not r["ok"] or "wait_update_s" not in engine:
+            continue
+        units = sorted((engine.get("wait_update_by_unit_s") or {}).items(), key=lambda kv: -kv[1])[:3]
+        rows.append([r["case"], engine.get("update_busy_s"), engine.get("copy_busy_s"), engine.get("wait_grads_s"),
+                     engine["wait_update_s"], ", ".join(f"{name} {s:.3f}" for name, s in units) or "-"])
+    header = ["case", "update busy s", "copies busy s", "waited for a gradient buffer s", "waited for updates s",
+              "updates waited for most (s)"]
+    return _table(header, rows) if rows else ""
+
+
 def failures_md(records: list[dict]) -> str:
     rows = [[r["case"], r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
             for r in records if not r["ok"]]
@@ -181,6 +197,9 @@ def tables_md(records: list[dict]) -> str:
     ladders = ladders_md(records)
     if ladders:
         parts += ["### Largest that fits under the cap", ladders]
+    waits = waits_md(records)
+    if waits:
+        parts += ["### What the training thread waited for (per step)", waits]
     parts += ["### Failed or not run (a result in its own right)", failures_md(records)]
     return "\n\n".join(parts)
 

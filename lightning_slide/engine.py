@@ -592,15 +592,17 @@ class SlideEngine:
         self._step = max(steps, default=0)
         self._bind_optimizer_state()
 
-    def stats(self) -> dict[str, float]:
-        """Cumulative transfer and overlap figures (bytes moved, thread busy time, exposed waits)."""
+    def stats(self) -> dict[str, object]:
+        """Cumulative transfer and overlap figures (bytes moved, thread busy time, exposed waits; the wait for
+        updates also per unit, by name, which says what a step boundary waits for)."""
         return {
             "steps": self._step,
             "h2d_bytes": self.window.bytes + self.activations.bytes_in,
             "d2h_bytes": (self.pump.bytes if self.pump else 0) + self.activations.bytes_out,
             "update_busy_s": self.adam.worker.busy_s,
             "copy_busy_s": self.pump.worker.busy_s if self.pump else 0.0,
-            "wait_update_s": self.window.wait_s,
+            "wait_update_s": sum(self.window.waits),
+            "wait_update_by_unit_s": {s.name: w for s, w in zip(self.storages, self.window.waits) if w},
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
             "kept_graphs": self.graphs.kept,

@@ -70,7 +70,7 @@ class Window:
         largest = max(s.numel for s in storages)
         self.staging = torch.empty(min(staging_elems, largest), device=device) if needs_cast else None
         self.bytes = 0
-        self.wait_s = 0.0
+        self.waits = [0.0] * len(storages)  # seconds loads of each unit waited for its update
 
     def grads_for(self, unit: int) -> GradBuffer:
         """The buffer `unit`'s gradient is written into (blocks take the ring's buffers in backward order)."""
@@ -123,7 +123,7 @@ class Window:
         return max((s for s in self.ring if s.unit not in protect), key=rank)
 
     def _load(self, slot: Slot, unit: int) -> None:
-        self.wait_s += self.adam.wait_applied(unit)
+        self.waits[unit] += self.adam.wait_applied(unit)
         storage = self.storages[unit]
         dst = slot.params[: storage.numel]
         with self.h2d():

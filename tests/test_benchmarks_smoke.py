@@ -43,8 +43,9 @@ def _trace() -> dict:
 
 def _run_records() -> list[dict]:
     """A made-up run: probe, 8B ceiling, 8B mb8 and mb64 slide with engine stats and a profile."""
-    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0},
-             "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9}}
+    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0, "wait_update_s": 0.0},
+             "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9, "wait_update_s": 5.0,
+                     "wait_update_by_unit_s": {"embed": 3.0, "block.0": 2.0}}}
     idle = idle_per_step(read_trace(_trace()))
     return [
         _record("probe", adam={"params_per_s": 4e9, "params": 5e8, "threads": 16, "step_s": 0.125},
@@ -140,6 +141,7 @@ def test_report_writes_summary_plots_ladders_and_per_case_json(tmp_path) -> None
     summary = (tmp_path / "summary.md").read_text()
     assert "| llama3_8b-mb8-cap24-slide-cpu |" in summary and "cpu, slots=auto" in summary
     assert "96 failed (step): killed by SIGKILL" in summary and (tmp_path / "bounds.png").exists()
+    assert "| 0.5 | embed 0.300, block.0 0.200 |" in summary
     report.copy_results(tmp_path, tmp_path / "results", records)
     assert json.loads((tmp_path / "results" / "probe.json").read_text())["ok"]
 
@@ -214,3 +216,12 @@ def test_tiny_ceiling_case_measures_a_window() -> None:
     result = run_timed(CASES["tiny-mb4-seq64-capnone-ceiling"], torch.device("cpu"))
     assert result["tokens_per_s"] > 0 and result["timed_steps"] == 10 and len(result["step_times_s"]) == 10
     assert result["gpu_idle"] is None
+
+
+def test_engine_figures_per_step_include_the_waits_per_unit() -> None:
+    from benchmarks.records import engine_per_step
+
+    stats = {"start": {"steps": 3, "wait_update_s": 1.0, "wait_update_by_unit_s": {"embed": 1.0}, "kept_graphs": 4},
+             "end": {"steps": 13, "wait_update_s": 6.0, "wait_update_by_unit_s": {"embed": 3.0, "block.0": 3.0}}}
+    assert engine_per_step(stats) == {"wait_update_s": 0.5, "wait_update_by_unit_s": {"embed": 0.2, "block.0": 0.3}}
+

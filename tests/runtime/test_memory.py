@@ -109,3 +109,22 @@ def test_a_lookahead_load_skips_a_unit_whose_update_is_still_pending():
     assert not pending, "the prefetch waited for unit 2's update"
     assert engine.window.holding(1) is not None and engine.window.holding(2) is None
     engine.close()
+
+
+def test_a_load_that_waits_for_an_update_is_counted_against_that_unit():
+    import threading
+    import time
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(slots=3), torch.device("cpu"),
+                         torch.float32)
+    engine.adam.schedule(2)
+    load = threading.Thread(target=engine.window.ensure, args=(2, 1, +1, set()), daemon=True)
+    load.start()
+    time.sleep(0.05)
+    engine.adam.applied[2] += 1
+    load.join()
+    stats = engine.stats()
+    assert list(stats["wait_update_by_unit_s"]) == [engine.storages[2].name]
+    assert stats["wait_update_by_unit_s"][engine.storages[2].name] == stats["wait_update_s"] >= 0.04
+    engine.close()
