@@ -300,18 +300,19 @@ def _session6() -> tuple[list[Case], list[Case], list[Case]]:
     return a, b, c
 
 
-def _session7() -> tuple[list[Case], list[Case]]:
-    """(a) All four targets in one run, with the updates each step boundary waits for now recorded per unit;
-    (b) the DeepSpeed ladders no call has reached (3B sequence ladders, 8B micro-batch and sequence), then the
-    8B disk-tier case."""
+def _session7() -> tuple[list[Case], list[Case], list[Case]]:
+    """Calls of under 9 minutes for what no call has measured: (a) all four targets in one run, with the updates
+    each step boundary waits for now recorded per unit; (b) the 3B DeepSpeed sequence ladders, plain training
+    uncapped at 3B and 8B, the 8B ZeRO-2 micro-batch ladder; (c) the 8B ZeRO-2 sequence ladder and the 8B
+    disk-tier case."""
     rest = {case.name: case for case in _ladders_rest()}
     a = [CASES[name] for name in (
         "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu",
         "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3")]
-    b = [rest[name] for name in (
-        "llama3_3b-cap24-ds3-max-seq", "llama3_3b-cap24-ds2-max-seq", "llama3_8b-cap24-ds2-max-mb",
-        "llama3_8b-cap24-ds2-max-seq")] + [CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]]
-    return a, b
+    b = [rest["llama3_3b-cap24-ds3-max-seq"], rest["llama3_3b-cap24-ds2-max-seq"],
+         CASES["llama3_3b-mb8-capnone-plain"], CASES["llama3_8b-mb8-capnone-plain"], rest["llama3_8b-cap24-ds2-max-mb"]]
+    c = [rest["llama3_8b-cap24-ds2-max-seq"], CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]]
+    return a, b, c
 
 
 def _smoke() -> list[Case]:
@@ -350,7 +351,7 @@ SUITES["session4a"], SUITES["session4b"] = _session4()
 SUITES["next"] = _next()
 SUITES["session5"] = _session5()
 SUITES["session6a"], SUITES["session6b"], SUITES["session6c"] = _session6()
-SUITES["session7a"], SUITES["session7b"] = _session7()
+SUITES["session7a"], SUITES["session7b"], SUITES["session7c"] = _session7()
 SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
                          + SUITES["ladders-rest"])
 

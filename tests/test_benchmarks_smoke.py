@@ -126,6 +126,7 @@ def test_bounds_idle_time_and_targets_come_from_the_run() -> None:
     assert rows["8B at "]["value"] == pytest.approx(slide["step_s_mean"] / slide["bounds_s"]["cpu_update"])
     assert "slots-auto" in rows["8B, 24"]["binding"]  # the shipped window's case stands for the 64k target
     assert rows["expose"]["value"] == pytest.approx(0.2, abs=1e-3) and rows["expose"]["met"] is False
+    assert rows["expose"]["hint"].startswith("the step boundary") and rows["8B at "]["hint"].startswith("fewer host")
     assert "slots-auto" in rows["expose"]["binding"]
 
 
