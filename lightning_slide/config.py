@@ -37,6 +37,9 @@ class SlideConfig:
         and pipelines device-to-host copies with the update).
     grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
     use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
+    loss_chunk_mib: the fused loss's logits buffer (MiB) with the kernels: 63 keeps the loss head's transient
+        memory under 64 MiB; more buys speed (64k tokens at vocab 128256 on the H200: 437 ms with 63, 332 ms
+        with 256; benchmarks/results/s6/ops).
     nvme_path: directory for the disk tier (offload="nvme"; default: the system temporary directory). The
         run's files go in a private directory there, removed when training ends (also after an error).
     nvme_moments: with offload="nvme", the fraction (0..1) of the Adam moments kept on disk (whole units, in
@@ -60,6 +63,7 @@ class SlideConfig:
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
     use_kernels: bool = True
+    loss_chunk_mib: float = 63.0
     nvme_path: str | None = None
     nvme_moments: float | None = None
     nvme_master: bool = False
@@ -75,6 +79,7 @@ class SlideConfig:
             "h2d_source": self.h2d_source in ("master", "shadow"),
             "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024,
+            "loss_chunk_mib": self.loss_chunk_mib >= 1,
             "grad_buffers": self.grad_buffers >= 2,
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
             "nvme_master": not self.nvme_master or self.offload == "nvme",
@@ -107,6 +112,7 @@ _HINTS = {
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
+    "loss_chunk_mib": "Give the fused loss's logits buffer at least 1 MiB (63 keeps the loss under 64 MiB).",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",
     "nvme_master": "The master weights go to disk only with offload='nvme' (the disk tier).",

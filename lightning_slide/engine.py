@@ -326,7 +326,7 @@ class SlideEngine:
         if self.config.use_kernels and self.device.type == "cuda":
             import ops  # imports triton: only where kernels run
 
-            self._kernels = ops.patch(self.model)
+            self._kernels = ops.patch(self.model, chunk_mib=self.config.loss_chunk_mib)
 
     def _part(self, unit: int, module: nn.Module, owner: dict[int, int], group_of: dict[int, int]) -> Part:
         """Every parameter use inside one intercepted module, located in its owner unit's buffer."""

@@ -25,7 +25,6 @@ from lightning_slide.tiers import align, direct_io
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
 GiB = 2**30
-LOSS_CHUNK_BYTES = 63 * 2**20  # the fused loss kernel's logits buffer (ops.cross_entropy.CHUNK_MIB)
 KERNEL_BLOCK_FACTOR = 0.75  # a block's recompute workspace with the Triton kernels, relative to HF's modules
 
 
@@ -363,7 +362,7 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
         (u.numel for u in shape.units if not u.dedicated), default=0) * c
     weight_grad = shape.vocab * h * c
     if kernels:
-        head = LOSS_CHUNK_BYTES + weight_grad + 2 * tokens * h * c
+        head = int(setup.config.loss_chunk_mib * 2**20) + weight_grad + 2 * tokens * h * c
     else:
         head = tokens * shape.vocab * (2 * c + 8) + weight_grad + 2 * tokens * h * c
     return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),

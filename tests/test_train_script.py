@@ -152,9 +152,13 @@ def test_model_recipe_sets_its_learning_rate_and_the_command_line_wins():
     assert config("model=llama3_8b", "optim.lr=2e-5").optim.lr == 2e-5
 
 
-def test_cpu_offload_recipe_is_a_valid_slide_config():
-    settings = OmegaConf.to_container(config("offload=cpu").offload)
-    assert SlideConfig.from_kwargs(**settings).offload == "cpu"
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offload_recipes_are_valid_slide_configs_that_name_every_setting(offload):
+    from dataclasses import fields
+
+    settings = OmegaConf.to_container(config(f"offload={offload}").offload)
+    assert SlideConfig.from_kwargs(**settings).offload == offload
+    assert {f.name for f in fields(SlideConfig)} - set(settings) <= {"nvme_path", "nvme_moments", "nvme_master", "gds"}
 
 
 def test_export_copies_share_no_memory_but_keep_ties():

@@ -134,3 +134,11 @@ def test_master_weights_are_pinned_and_unpinned_at_close():
     assert all(s.pinned for s in engine.storages)
     engine.close()
     assert not any(s.pinned for s in engine.storages)
+
+
+def test_the_fused_loss_takes_its_buffer_budget_from_the_config():
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(loss_chunk_mib=256),
+                         torch.device("cuda"), torch.bfloat16)
+    assert model.lm_head.chunk_mib == 256
+    engine.close()

@@ -95,7 +95,8 @@ def test_compiled_models_are_rejected():
 
 @pytest.mark.parametrize(
     "settings, message",
-    [(dict(slots=1), "at least 2 GPU slots"), (dict(offload="tape"), "offload"), (dict(window=3), "Unknown")],
+    [(dict(slots=1), "at least 2 GPU slots"), (dict(offload="tape"), "offload"), (dict(window=3), "Unknown"),
+     (dict(loss_chunk_mib=0), "at least 1 MiB")],
 )
 def test_bad_settings_say_what_is_valid(settings, message):
     with pytest.raises((ValueError, TypeError), match=message):

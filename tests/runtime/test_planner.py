@@ -254,6 +254,15 @@ def test_the_batch_plan_with_kernels_is_calibrated_below_the_hf_modules_workspac
     assert workspace[with_kernels] < 0.8 * workspace[without]
 
 
+def test_the_loss_heads_workspace_grows_with_the_fused_loss_buffer():
+    """At one short sequence the loss head, not a block, is the costliest recompute: its logits buffer counts."""
+    def workspace(mib: float) -> int:
+        plan = Plan.estimate(_llama_8b(), Setup(SlideConfig(loss_chunk_mib=mib)), micro_batch=1, seq_len=128)
+        return next(e.bytes for e in plan.entries if e.what.startswith("compute workspace"))
+
+    assert workspace(256) - workspace(63) == 193 * 2**20
+
+
 def test_recompute_never_plans_every_blocks_graph_and_names_recompute_when_it_cannot_fit():
     shape = _llama_8b()
     setup = Setup(SlideConfig(recompute="never"))
