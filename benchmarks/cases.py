@@ -35,7 +35,8 @@ class Case:
     build, setup, steps): the runner skips a case when less than that is left of its budget.
     profile_steps run after the timed window under the CUDA profiler (benchmarks.gpu_idle): one that
     leads in, the others measure the compute stream's idle time. known_failure says why the case is not
-    run unless asked (it was seen failing before).
+    run unless asked (it was seen failing before). clip is the Trainer's gradient_clip_val (train.py's default
+    is 1.0): lightning-slide then updates only after the backward, once the global norm is known.
     A ladder (rungs given) trains steps_per_rung steps at each size of `grow` in one process and stops
     at the first failure or when its next rung would pass time_cap_s (benchmarks.ladder).
     """
@@ -54,6 +55,7 @@ class Case:
     known_failure: str | None = None
     adam_params: int = 500_000_000
     slide_settings: Settings = ()  # SlideStrategy keyword arguments, e.g. (("h2d_source", "shadow"),)
+    clip: float | None = None
     rungs: tuple[int, ...] = ()
     grow: Grow = "micro_batch"
     steps_per_rung: int = 2
@@ -88,10 +90,11 @@ _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
-              settings: Settings = ()) -> str:
-    """Names like `llama3_8b-mb64-cap24-slide-cpu` (seq appears only when it is not 1024)."""
+              settings: Settings = (), clip: float | None = None) -> str:
+    """Names like `llama3_8b-mb64-cap24-slide-cpu` (seq appears only when it is not 1024, clip when set)."""
     seq = "" if seq_len == 1024 else f"-seq{seq_len}"
-    return f"{model}-mb{micro_batch}{seq}-{_cap(cap_gib)}-{_system_tag(system, settings)}"
+    clipped = "" if clip is None else f"-clip{clip:g}"
+    return f"{model}-mb{micro_batch}{seq}-{_cap(cap_gib)}-{_system_tag(system, settings)}{clipped}"
 
 
 def _cap(cap_gib: float | None) -> str:
@@ -111,11 +114,14 @@ def make(system: str, model: str, micro_batch: int = 1, seq_len: int = 1024, cap
          slide_settings: Settings = (), **kw: object) -> Case:
     """A case with its canonical name, its estimated wall time and warm-up (unless given): 2 warm-up
     steps when a step takes several seconds, else 3."""
-    settings = dict(slide_settings)
+    settings, clip = dict(slide_settings), kw.get("clip")
+    if clip is not None and system not in OFFLOAD_SYSTEMS:
+        raise ValueError(f"clip applies to the Lightning systems {OFFLOAD_SYSTEMS}, not {system!r}")
     step = estimate.step_s(system, model, micro_batch, seq_len, settings)
     warmup = warmup if warmup is not None else (2 if step >= 3.5 else 3)
-    case = Case(name or case_name(system, model, micro_batch, seq_len, cap_gib, slide_settings), system, model,
-                micro_batch, seq_len, cap_gib, warmup=warmup, slide_settings=slide_settings, **kw)  # type: ignore[arg-type]
+    name = name or case_name(system, model, micro_batch, seq_len, cap_gib, slide_settings, clip)  # type: ignore[arg-type]
+    case = Case(name, system, model, micro_batch, seq_len, cap_gib, warmup=warmup, slide_settings=slide_settings,
+                **kw)  # type: ignore[arg-type]
     steps = case.warmup + case.steps + case.profile_steps
     est = est_s if est_s is not None else estimate.case_s(system, model, micro_batch, seq_len, steps, settings)
     return replace(case, est_s=round(est))
@@ -192,6 +198,7 @@ def _more() -> list[Case]:
         make("slide", "llama3_8b", 64, slide_settings=(("block_grad_buffers", 6),)),
         make("slide", "llama3_8b", 8, slide_settings=(("chunk_elems", 1 << 22),)),
         make("slide", "llama3_8b", 64, slide_settings=(("loss_chunk_mib", 256),)),
+        *(make("slide", "llama3_8b", mb, clip=1.0) for mb in (8, 64)),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
         *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
@@ -304,18 +311,21 @@ def _session6() -> tuple[list[Case], list[Case], list[Case]]:
 
 def _session7() -> tuple[list[Case], list[Case], list[Case]]:
     """Calls of under 9 minutes for what no call has measured: (a) all four targets in one run, with the updates
-    each step boundary waits for now recorded per unit; (b) whether a 256 MiB loss buffer (the fused loss alone:
-    332 against 437 ms at 64k tokens, s6/ops) moves the 8B 64x1024 step, against the default in the same run,
-    then the 3B DeepSpeed sequence ladders; (c) plain training uncapped at 3B and 8B, the 8B ZeRO-2 ladders, the
-    8B disk-tier case."""
+    each step boundary waits for now recorded per unit; (b) 8B 64x1024 three ways in one run: the default, a 256
+    MiB loss buffer (the fused loss alone: 332 against 437 ms at 64k tokens, s6/ops), and gradient clipping at
+    1.0 (train.py's default: the updates wait for the global norm, after the backward); then 8B 8x1024 clipped;
+    (c) the 3B DeepSpeed sequence ladders, plain training uncapped at 3B and 8B, the 8B ZeRO-2 ladders, the 8B
+    disk-tier case."""
     rest = {case.name: case for case in _ladders_rest()}
     a = [CASES[name] for name in (
         "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu",
         "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3")]
-    b = [CASES["llama3_8b-mb64-cap24-slide-cpu-loss-256"], CASES["llama3_8b-mb64-cap24-slide-cpu"],
-         rest["llama3_3b-cap24-ds3-max-seq"], rest["llama3_3b-cap24-ds2-max-seq"]]
-    c = [CASES["llama3_3b-mb8-capnone-plain"], CASES["llama3_8b-mb8-capnone-plain"], rest["llama3_8b-cap24-ds2-max-mb"],
-         rest["llama3_8b-cap24-ds2-max-seq"], CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]]
+    b = [CASES[name] for name in (
+        "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu-loss-256",
+        "llama3_8b-mb64-cap24-slide-cpu-clip1", "llama3_8b-mb8-cap24-slide-cpu-clip1")]
+    c = [rest["llama3_3b-cap24-ds3-max-seq"], rest["llama3_3b-cap24-ds2-max-seq"], CASES["llama3_3b-mb8-capnone-plain"],
+         CASES["llama3_8b-mb8-capnone-plain"], rest["llama3_8b-cap24-ds2-max-mb"], rest["llama3_8b-cap24-ds2-max-seq"],
+         CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]]
     return a, b, c
 
 

@@ -119,7 +119,8 @@ def _fit(case: Case, device: torch.device, data: DataLoader, max_steps: int, seq
         torch.cuda.empty_cache()  # the GPU-drawn init noise must not count as the strategy's memory
         torch.cuda.reset_peak_memory_stats(device)
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         precision="bf16-mixed", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         precision="bf16-mixed", max_steps=max_steps, gradient_clip_val=case.clip,
+                         logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          callbacks=[callback])
     trainer.fit(module, data)

@@ -48,7 +48,7 @@ def base_record(case: Case) -> dict:
         "model_config": {**dataclasses.asdict(spec), "attention": "sdpa", "init": "N(0, 0.02), norms 1"},
         "params": spec.params, "params_no_embedding": spec.params_no_embedding,
         "micro_batch": case.micro_batch, "seq_len": case.seq_len, "tokens_per_step": case.tokens_per_step,
-        "accumulate": 1, "vram_cap_gib": case.cap_gib, "tier": case.tier, "slide_settings": case.settings,
+        "accumulate": 1, "gradient_clip_val": case.clip, "vram_cap_gib": case.cap_gib, "tier": case.tier, "slide_settings": case.settings,
         "device": case.device, "timed_steps": case.steps, "warmup_steps": case.warmup,
         "profile_steps": case.profile_steps,
         "flop_formula": FLOP_FORMULAS["6nt"], "flop_formula_full": FLOP_FORMULAS["full"],
@@ -177,9 +177,11 @@ def exposed(gpu_idle: dict | None) -> dict | None:
 
 
 def tier_label(record: dict) -> str:
-    """The tier and any non-default setting that shapes it: `nvme, nvme_moments=0.25`, `cpu, slots=auto`."""
+    """The tier and any non-default setting that shapes it: `nvme, nvme_moments=0.25`, `cpu, slots=auto`,
+    `cpu, clip=1` (the Trainer's gradient clipping)."""
     extra = [f"{k}={v}" for k, v in (record.get("slide_settings") or {}).items() if k not in ("offload", "nvme_path")]
-    return ", ".join([str(record.get("tier")), *extra])
+    clip = record.get("gradient_clip_val")
+    return ", ".join([str(record.get("tier")), *extra, *([f"clip={clip:g}"] if clip is not None else [])])
 
 
 def _baseline(records: list[dict], record: dict) -> dict | None:

@@ -226,3 +226,16 @@ def test_engine_figures_per_step_include_the_waits_per_unit() -> None:
              "end": {"steps": 13, "wait_update_s": 6.0, "wait_update_by_unit_s": {"embed": 3.0, "block.0": 3.0}}}
     assert engine_per_step(stats) == {"wait_update_s": 0.5, "wait_update_by_unit_s": {"embed": 0.2, "block.0": 0.3}}
 
+
+
+def test_a_clipped_case_trains_with_the_trainers_gradient_clipping(monkeypatch) -> None:
+    import benchmarks.lit as lit
+    from benchmarks.cases import make
+
+    clips, trainer = [], lit.pl.Trainer
+    monkeypatch.setattr(lit.pl, "Trainer", lambda **kw: (clips.append(kw["gradient_clip_val"]), trainer(**kw))[1])
+    case = make("slide", "tiny", 4, seq_len=64, cap_gib=None, device="cpu", warmup=1, steps=2, est_s=30, clip=1.0)
+    assert case.name == "tiny-mb4-seq64-capnone-slide-cpu-clip1"
+    assert lit.run_lightning(case, torch.device("cpu"))["tokens_per_s"] > 0 and clips == [1.0]
+    with pytest.raises(ValueError, match="clip applies to the Lightning systems"):
+        make("plain", "tiny", 4, seq_len=64, cap_gib=None, device="cpu", clip=1.0)
