@@ -294,7 +294,8 @@ class SlideEngine:
         self._written: set[int] = set()
         self._receiving: dict[int, GradBuffer] = {}
         self._plan: StepPlan | None = None
-        self._dispatched = 0
+        self._window_grads = 0  # unit gradients dispatched since the last optimizer step
+        self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
         self._step = 0
         self._adapted = False
         self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
@@ -444,7 +445,7 @@ class SlideEngine:
         update = self._plan is not None and not self.deferred
         if update:
             self.adam.schedule(unit)
-            self._dispatched += 1
+        self._window_grads += 1
         buffer = self._receiving.pop(unit)
         buffer.idle.clear()
         self._written.difference_update(id(p) for p in storage.params)
@@ -467,11 +468,7 @@ class SlideEngine:
     def new_micro_batch(self, tokens: int | None = None) -> None:
         """Forget a graph that was never backpropagated (its parts will not report back). `tokens`, when the
         caller knows them: a micro-batch larger than the one the window was sized for sizes it again."""
-        if any(self._pending):
-            self._pending = [0] * len(self.storages)
-            self._written.clear()
-            self._receiving.clear()
-            self._release_held()  # complete gradients, as the units the abandoned backward did dispatch
+        self._abandon_graph()
         self._tape_position = 0
         self._last_call = None
         self.activations.new_micro_batch()
@@ -481,27 +478,44 @@ class SlideEngine:
                 self._reopen_adaptation()
             self._step_tokens = max(self._step_tokens, tokens)
 
+    def _abandon_graph(self) -> None:
+        """Forget a forward that no backward will follow: its parts will not report back."""
+        if any(self._pending):
+            self._pending = [0] * len(self.storages)
+            self._written.clear()
+            self._receiving.clear()
+            self._release_held()  # complete gradients, as the units the abandoned backward did dispatch
+
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
         self.failure.check()
         self._plan = snapshot(self.optimizer, self._step + 1, self.clip_norm)
-        self._dispatched = 0
-        if not self.deferred:  # the order in which this step's backward hands units to the optimizer
+        if not self.deferred and not self._reads_planned:  # the order this step's backward hands units over
             self.moments.plan(self._update_order)
+            self._reads_planned = True
 
-    def end_step(self) -> None:
+    def end_step(self, backward_ran: bool = True) -> None:
+        """The window's last backward has run, or was skipped (`backward_ran` False: training_step returned None).
+
+        As in Lightning's own loop, a skipped backward leaves the step to what the window's other micro-batches
+        accumulated, and with none there is no update at all (AdamW leaves parameters without a gradient, and
+        their step counts, as they are).
+        """
         plan, self._plan = self._plan, None
+        if not backward_ran:
+            self._abandon_graph()
         if any(self._pending):
             missing = [self.storages[u].name for u, n in enumerate(self._pending) if n]
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
-        if not self.deferred and self._dispatched == 0:
-            raise RuntimeError(
-                "No backward ran in this optimizer step (did training_step return None?). Skipping a step by "
-                "returning None is not supported by the slideformer strategy."
-            )
+        if self._window_grads == 0:
+            if backward_ran:
+                raise RuntimeError("The backward of this optimizer step reached no trainable parameter: does the "
+                                   "loss depend on the model's parameters?")
+            return
+        self._window_grads, self._reads_planned = 0, False
         self._step += 1
         if self.deferred:
-            self._launch_deferred(plan)
+            self._launch_deferred(plan, norm_of_sums=not backward_ran)
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
@@ -544,10 +558,18 @@ class SlideEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._adapted = False
 
-    def _launch_deferred(self, plan: StepPlan) -> None:
-        """All gradients summed on the host: clip by the global norm, then update in forward order."""
+    def _launch_deferred(self, plan: StepPlan, norm_of_sums: bool = False) -> None:
+        """All gradients summed on the host: clip by the global norm, then update in forward order.
+
+        The norm comes with the window's last gradients (the optimizer thread measures each final sum); when that
+        backward was skipped, `norm_of_sums` measures the sums here instead.
+        """
         self.wait_drain_s += self._drain()
         if plan.clip_norm is not None:
+            if norm_of_sums:
+                for s in self.storages:
+                    if s.trainable_numel:
+                        plan.add_sq_norm(s.grad_acc)
             coef = plan.clip_norm / (math.sqrt(plan.sq_norm) + 1e-6)
             if coef < 1.0:
                 plan.grad_scale = torch.tensor(1.0 / coef)

@@ -61,7 +61,10 @@ class SlidePrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Steppable, model: nn.Module, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        """The backward inside `closure` ends an accumulation window: the engine updates as gradients arrive."""
+        """The backward inside `closure` ends an accumulation window: the engine updates as gradients arrive.
+
+        Under automatic optimization a closure that returns None ran no backward (training_step returned None).
+        """
         engine = self.engine
         engine.begin_step()
         try:
@@ -69,7 +72,7 @@ class SlidePrecision(Precision):
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(f"{error}\n{OUT_OF_MEMORY}") from error
         self._after_closure(model, optimizer)
-        engine.end_step()
+        engine.end_step(backward_ran=result is not None or not getattr(model, "automatic_optimization", True))
         optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (torch.optim.lr_scheduler)
         return result
 

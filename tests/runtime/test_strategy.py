@@ -3,6 +3,7 @@
 import copy
 import warnings
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
@@ -54,6 +55,34 @@ def test_manual_optimization_matches_adamw():
     module = ManualStep(copy.deepcopy(model))
     trainer("slideformer", 4).fit(module, DataLoader(batches, batch_size=None))
     assert relative_difference(reference(model, batches, 4), module.model) <= 1e-6
+
+
+class SkipsBatches(CausalLM):
+    """Returns None for some batches: Lightning then runs no backward for them."""
+
+    def __init__(self, model: torch.nn.Module, skip: set[int]) -> None:
+        super().__init__(model)
+        self.skip = skip
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in self.skip else loss
+
+
+@pytest.mark.parametrize(
+    "skip, window",
+    [({1}, dict()), ({1, 2}, dict(clip=0.5)), ({3}, dict(accumulate=2, clip=0.5)), ({2}, dict(accumulate=2))],
+    ids=["one-step", "two-steps-clipped", "last-of-a-window", "first-of-a-window"],
+)
+def test_a_batch_whose_training_step_returns_none_is_skipped_as_lightning_skips_it(skip, window):
+    """Lightning's own loop is the reference: no backward for the batch; the optimizer steps on what the
+    window's other micro-batches accumulated, and not at all when there is none."""
+    model, batches, steps = tiny_model("llama"), token_batches(8), 3
+    lightning = SkipsBatches(copy.deepcopy(model), skip)
+    trainer("auto", steps, **window).fit(lightning, DataLoader(batches, batch_size=None))
+    ours = SkipsBatches(copy.deepcopy(model), skip)
+    trainer("slideformer", steps, **window).fit(ours, DataLoader(batches, batch_size=None))
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
 def test_after_fit_the_model_is_an_ordinary_cpu_module_again():

@@ -314,3 +314,21 @@ def test_nvme_master_without_the_disk_tier_is_a_clear_error():
 def test_nvme_moments_without_the_disk_tier_is_a_clear_error():
     with pytest.raises(ValueError, match="nvme_moments.*offload='nvme'"):
         SlideConfig(nvme_moments=0.5)
+
+
+def test_a_skipped_step_keeps_its_planned_disk_reads_for_the_next_one(tmp_path):
+    """training_step returning None skips a step: the reads planned for its updates serve the next step's."""
+    from lightning.pytorch import Callback
+
+    from tests.runtime.test_strategy import SkipsBatches
+
+    strategy, left = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, chunk_elems=4096), []
+
+    class PlannedReadsAtTheEnd(Callback):
+        def on_train_end(self, trainer, module):
+            strategy.engine.synchronize()
+            left.append(len(strategy.engine.moments.spill._expected))
+
+    module = SkipsBatches(tiny_model("llama"), skip={1, 2})  # two skipped steps between two that update
+    trainer(strategy, 4, callbacks=[PlannedReadsAtTheEnd()]).fit(module, DataLoader(token_batches(8), batch_size=None))
+    assert left == [0]
