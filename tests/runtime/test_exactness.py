@@ -60,6 +60,14 @@ def test_the_updates_the_next_forward_waits_for_come_first(monkeypatch):
     assert order == ["head", "block.5", "block.4", "block.3", "embed", "block.0", "block.1", "block.2"]
 
 
+def test_an_epochs_last_partial_accumulation_window_steps_as_lightning_does():
+    """Five batches, windows of two, two epochs: each epoch ends with a one-batch window."""
+    model, batches = tiny_model("llama"), token_batches(5)
+    lightning = fit(model, batches, "auto", -1, accumulate=2, max_epochs=2)
+    ours = fit(model, batches, "slideformer", -1, accumulate=2, max_epochs=2)
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
+
+
 def test_fp32_matches_adamw_with_accumulation_and_no_clipping():
     model, batches = tiny_model("llama"), token_batches(STEPS * 3)
     expected = reference(model, batches, STEPS, accumulate=3)

@@ -85,6 +85,27 @@ def test_a_batch_whose_training_step_returns_none_is_skipped_as_lightning_skips_
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
+class Evaluates(CausalLM):
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch).logits.argmax(-1)
+
+
+def test_test_and_predict_after_fit_see_the_trained_weights_as_lightning_does():
+    model, batches = tiny_model("llama"), token_batches(3)
+    results = []
+    for strategy in ("auto", "slideformer"):
+        module, run = Evaluates(copy.deepcopy(model)), trainer(strategy, 2)
+        run.fit(module, DataLoader(batches, batch_size=None))
+        results.append((run.test(module, DataLoader(batches, batch_size=None))[0]["test_loss"],
+                        run.predict(module, DataLoader(batches, batch_size=None))))
+    (loss, predicted), (our_loss, our_predicted) = results
+    assert our_loss == pytest.approx(loss, rel=1e-5)
+    assert all(torch.equal(p, q) for p, q in zip(predicted, our_predicted))
+
+
 def test_after_fit_the_model_is_an_ordinary_cpu_module_again():
     model, batches = tiny_model("qwen2-tied"), token_batches(2)
     module = CausalLM(copy.deepcopy(model))
