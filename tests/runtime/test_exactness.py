@@ -1,11 +1,15 @@
 """Sliding training must be plain training: same parameters as a PyTorch loop with torch.optim.AdamW."""
 
+import copy
+
 import pytest
 import torch
 from lightning.pytorch import Callback
+from torch.utils.data import DataLoader
 
 from lightning_slide import SlideStrategy
-from tests.runtime.helpers import ARCHS, SEQ, VOCAB, fit, relative_difference, reference, tiny_model, token_batches
+from tests.runtime.helpers import (ARCHS, SEQ, VOCAB, CausalLM, fit, param_groups, reference, relative_difference,
+                                   tiny_model, token_batches, trainer, warmup_decay)
 
 STEPS = 5
 
@@ -66,6 +70,32 @@ def test_an_epochs_last_partial_accumulation_window_steps_as_lightning_does():
     lightning = fit(model, batches, "auto", -1, accumulate=2, max_epochs=2)
     ours = fit(model, batches, "slideformer", -1, accumulate=2, max_epochs=2)
     assert relative_difference(lightning.model, ours.model) <= 1e-6
+
+
+class PaddedLM(CausalLM):
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+def test_left_padded_batches_with_masked_labels_match_adamw():
+    """Rows of different lengths padded on the left to one: the attention mask reaches every block (a real
+    token would otherwise attend to the pads before it), pads carry no loss."""
+    model, g = tiny_model("qwen3"), torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(STEPS):
+        ids, mask = torch.randint(0, VOCAB, (3, SEQ), generator=g), torch.ones(3, SEQ, dtype=torch.long)
+        for row, length in enumerate(torch.randint(SEQ // 2, SEQ + 1, (3,), generator=g).tolist()):
+            mask[row, : SEQ - length] = 0
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    expected = copy.deepcopy(model)
+    opt = torch.optim.AdamW(param_groups(expected), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_decay)
+    for batch in batches:
+        expected(**batch).loss.backward()
+        opt.step(), sched.step(), opt.zero_grad()
+    ours = PaddedLM(copy.deepcopy(model))
+    trainer("slideformer", STEPS).fit(ours, DataLoader(batches, batch_size=None))
+    assert relative_difference(expected, ours.model) <= 1e-6
 
 
 def test_fp32_matches_adamw_with_accumulation_and_no_clipping():
