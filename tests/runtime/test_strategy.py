@@ -106,6 +106,15 @@ def test_test_and_predict_after_fit_see_the_trained_weights_as_lightning_does():
     assert all(torch.equal(p, q) for p, q in zip(predicted, our_predicted))
 
 
+def test_a_model_loaded_in_bf16_trains_from_an_fp32_master_and_comes_back_in_fp32():
+    model, batches = tiny_model("llama").to(torch.bfloat16), token_batches(3)
+    loaded, upcast = CausalLM(copy.deepcopy(model)), CausalLM(copy.deepcopy(model).float())
+    for module in (loaded, upcast):
+        trainer("slideformer", 3, precision="bf16-mixed").fit(module, DataLoader(batches, batch_size=None))
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(loaded.model.parameters(), upcast.model.parameters()))
+
+
 def test_after_fit_the_model_is_an_ordinary_cpu_module_again():
     model, batches = tiny_model("qwen2-tied"), token_batches(2)
     module = CausalLM(copy.deepcopy(model))
