@@ -318,9 +318,9 @@ def _session7() -> tuple[list[Case], list[Case], list[Case]]:
     with them, the edge of this machine's 126 GiB); (c) the 3B DeepSpeed sequence ladders, plain training uncapped at 3B
     and 8B, the 8B ZeRO-2 ladders, the 8B disk-tier case."""
     rest = {case.name: case for case in _ladders_rest()}
-    a = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu",
-        "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3")]
+    a = [CASES[name] for name in (  # the 3B pair first: ZeRO-3 never ran beside the others
+        "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_8b-mb8-capnone-ceiling",
+        "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu")]
     b = [CASES[name] for name in (
         "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu-loss-256", "llama3_3b-mb8-cap24-slide-cpu",
         "llama3_3b-mb8-cap24-slide-cpu-clip1", "llama3_3b-mb64-cap24-slide-cpu", "llama3_3b-mb64-cap24-slide-cpu-clip1")]
