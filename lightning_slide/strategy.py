@@ -290,4 +290,12 @@ class SlideStrategy(SingleDeviceStrategy):
             self.engine.close()
             self.engine = None
             self.precision_plugin.engine = None
-        super().teardown()
+        module = self.lightning_module
+        placeholders = module is not None and any(p.is_meta for p in module.parameters())
+        if placeholders:  # setup failed before the engine filled them: nothing to move, and the error must show
+            self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            if placeholders:
+                self._lightning_module = module

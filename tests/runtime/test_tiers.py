@@ -164,6 +164,17 @@ def test_an_unwritable_nvme_path_is_refused_before_training(tmp_path):
         trainer(strategy, 1).fit(CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
 
 
+def test_an_unwritable_nvme_path_is_the_error_a_placeholder_model_gets_too(tmp_path):
+    """Setup fails before the engine fills the meta placeholders: the teardown must not hide why."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run = trainer(SlideStrategy(offload="nvme", nvme_path=str(blocker / "nvme"), nvme_moments=1.0), 1)
+    with run.init_module(empty_init=True):
+        model = tiny_model()
+    with pytest.raises(DiskTierError, match="not a writable directory"):
+        run.fit(CausalLM(model), DataLoader(token_batches(1), batch_size=None))
+
+
 def test_a_disk_without_room_for_the_plan_is_refused_before_allocating(tmp_path, monkeypatch):
     monkeypatch.setattr(planner, "available_disk", lambda path: 4096)
     monkeypatch.setattr(tiers, "TierDirectory", None)  # nothing may be created on disk
