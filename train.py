@@ -27,6 +27,15 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
+def make_trainer(settings: dict, **wiring: object) -> L.Trainer:
+    """The `trainer.*` settings are lightning.Trainer's own arguments: a wrong one is named with the settings."""
+    try:
+        return L.Trainer(**settings, **wiring)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"Bad trainer settings ({error}): trainer.* are lightning.Trainer arguments, with their "
+                         f"types (e.g. trainer.max_steps=1000). Got {settings}.") from error
+
+
 def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     """One fine-tuning run of the composed config, writing everything under `run_dir`."""
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -35,8 +44,8 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     sliding = c["offload"]["offload"] != "none"  # the engine fills meta placeholders unit by unit
     model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)
     module = CausalLMModule(model, **c["optim"])
-    trainer = L.Trainer(
-        **{**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},
+    trainer = make_trainer(
+        {**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},
         strategy=SlideStrategy(**c["offload"]),  # offload=none: plain single-device training
         default_root_dir=run_dir,
         logger=[CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tensorboard", version="")],

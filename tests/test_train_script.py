@@ -129,6 +129,11 @@ def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tier, tmp
     assert not nvme.exists() or not any(nvme.iterdir())
 
 
+def test_a_trainer_setting_of_the_wrong_type_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"(?s)Bad trainer settings.*'max_steps': 'many'"):
+        train(config("offload=none", "trainer.max_steps=many"), tmp_path)
+
+
 def test_bad_offload_setting_is_refused_by_the_strategy(tmp_path):
     with pytest.raises(ValueError, match="SlideConfig.slots=1 is not valid"):
         train(config("offload=cpu", "offload.slots=1"), tmp_path)
