@@ -40,9 +40,9 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     """One fine-tuning run of the composed config, writing everything under `run_dir`."""
     c = OmegaConf.to_container(cfg, resolve=True)
     L.seed_everything(c["seed"])
-    tokenizer = load_tokenizer(c["model"]["pretrained"])
     sliding = c["offload"]["offload"] != "none"  # the engine fills meta placeholders unit by unit
-    model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)
+    model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)  # checks the folder first
+    tokenizer = load_tokenizer(c["model"]["pretrained"])
     module = CausalLMModule(model, **c["optim"])
     trainer = make_trainer(
         {**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},

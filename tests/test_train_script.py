@@ -129,6 +129,11 @@ def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tier, tmp
     assert not nvme.exists() or not any(nvme.iterdir())
 
 
+def test_a_pretrained_path_that_is_no_model_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.pretrained=.* is not a local Hugging Face model folder"):
+        train(config("offload=none", f"model.pretrained={tmp_path / 'missing'}"), tmp_path)
+
+
 def test_a_trainer_setting_of_the_wrong_type_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)Bad trainer settings.*'max_steps': 'many'"):
         train(config("offload=none", "trainer.max_steps=many"), tmp_path)
