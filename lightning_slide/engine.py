@@ -498,8 +498,8 @@ class SlideEngine:
         """The window's last backward has run, or was skipped (`backward_ran` False: training_step returned None).
 
         As in Lightning's own loop, a skipped backward leaves the step to what the window's other micro-batches
-        accumulated, and with none there is no update at all (AdamW leaves parameters without a gradient, and
-        their step counts, as they are).
+        accumulated. A window whose gradients reached no parameter (skipped, or a loss that does not depend on
+        the model) updates nothing: AdamW leaves parameters without a gradient, and their step counts, as they are.
         """
         plan, self._plan = self._plan, None
         if not backward_ran:
@@ -508,9 +508,6 @@ class SlideEngine:
             missing = [self.storages[u].name for u, n in enumerate(self._pending) if n]
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
         if self._window_grads == 0:
-            if backward_ran:
-                raise RuntimeError("The backward of this optimizer step reached no trainable parameter: does the "
-                                   "loss depend on the model's parameters?")
             return
         self._window_grads, self._reads_planned = 0, False
         self._step += 1

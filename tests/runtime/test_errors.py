@@ -115,12 +115,3 @@ def test_running_out_of_gpu_memory_in_a_step_says_what_to_change():
     with pytest.raises(torch.OutOfMemoryError, match="(?s)Tried to allocate 2.00 GiB.*recompute='always'.*"
                                                      "expandable_segments:True"):
         trainer("slideformer", 1).fit(Oom(tiny_model()), DataLoader(token_batches(1), batch_size=None))
-
-
-def test_a_loss_that_does_not_depend_on_the_parameters_is_named():
-    class Detached(CausalLM):
-        def training_step(self, batch, batch_idx):
-            return torch.ones((), requires_grad=True)
-
-    with pytest.raises(RuntimeError, match="reached no trainable parameter"):
-        _fit(Detached(tiny_model()))

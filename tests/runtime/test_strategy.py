@@ -57,6 +57,28 @@ def test_manual_optimization_matches_adamw():
     assert relative_difference(reference(model, batches, 4), module.model) <= 1e-6
 
 
+class StepsEveryOtherBackward(CausalLM):
+    """Manual optimization that also calls step() without a backward before it (a no-op for torch's AdamW)."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        if batch_idx % 2 == 0:
+            self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_manual_step_without_a_backward_changes_nothing_as_with_lightning():
+    model, batches = tiny_model("llama"), token_batches(4)
+    runs = []
+    for strategy in ("auto", "slideformer"):
+        runs.append(StepsEveryOtherBackward(copy.deepcopy(model)))
+        trainer(strategy, 4).fit(runs[-1], DataLoader(batches, batch_size=None))
+    assert relative_difference(runs[0].model, runs[1].model) <= 1e-6
+
+
 class SkipsBatches(CausalLM):
     """Returns None for some batches: Lightning then runs no backward for them."""
 
@@ -83,6 +105,18 @@ def test_a_batch_whose_training_step_returns_none_is_skipped_as_lightning_skips_
     ours = SkipsBatches(copy.deepcopy(model), skip)
     trainer("slideformer", steps, **window).fit(ours, DataLoader(batches, batch_size=None))
     assert relative_difference(lightning.model, ours.model) <= 1e-6
+
+
+class Detached(CausalLM):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return torch.ones((), requires_grad=True)
+
+
+def test_a_loss_that_reaches_no_parameter_changes_nothing_as_with_lightning():
+    model = tiny_model("llama")
+    module = Detached(copy.deepcopy(model))
+    trainer("slideformer", 2).fit(module, DataLoader(token_batches(2), batch_size=None))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), module.model.parameters()))
 
 
 class Evaluates(CausalLM):
