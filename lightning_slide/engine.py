@@ -231,7 +231,7 @@ class SlideEngine:
         config: the window, tier and chunking settings.
         device: the compute device (CUDA, or the CPU fallback).
         dtype: the dtype weights are computed in (bf16 for bf16 precisions, fp32 for 32-true).
-        clip_norm: global gradient-norm clipping threshold, or None.
+        clip_norm: global gradient-norm clipping threshold, or None (`clip_next` sets it for one step).
         accumulate: gradients of several backwards are summed before an update (needs host sums).
         deferred: updates wait for `end_step` (manual optimization: backward runs before the step is known).
     """
@@ -251,7 +251,7 @@ class SlideEngine:
             device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
         self.failure = Failure()
-        self.clip_norm = clip_norm
+        self.clip_norm, self._clip_once = clip_norm, None
         self.deferred = deferred or clip_norm is not None
         self.needs_acc = accumulate or self.deferred
         self.model = find_causal_lm(root)
@@ -295,6 +295,7 @@ class SlideEngine:
         self._receiving: dict[int, GradBuffer] = {}
         self._plan: StepPlan | None = None
         self._window_grads = 0  # unit gradients dispatched since the last optimizer step
+        self._norms_measured = False  # the optimizer thread measured the final sums (they came under a plan)
         self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
         self._step = 0
         self._adapted = False
@@ -446,6 +447,7 @@ class SlideEngine:
         if update:
             self.adam.schedule(unit)
         self._window_grads += 1
+        self._norms_measured = self._plan is not None
         buffer = self._receiving.pop(unit)
         buffer.idle.clear()
         self._written.difference_update(id(p) for p in storage.params)
@@ -486,10 +488,18 @@ class SlideEngine:
             self._receiving.clear()
             self._release_held()  # complete gradients, as the units the abandoned backward did dispatch
 
+    def clip_next(self, max_norm: float) -> None:
+        """Clip the next step's gradients to this global norm (manual optimization's `clip_gradients`, which
+        comes after the backward and before the step it is for)."""
+        if not self.deferred:
+            raise RuntimeError("clip_next needs deferred updates (manual optimization or a clip_norm at setup).")
+        self._clip_once = max_norm
+
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
         self.failure.check()
-        self._plan = snapshot(self.optimizer, self._step + 1, self.clip_norm)
+        clip, self._clip_once = self._clip_once or self.clip_norm, None
+        self._plan = snapshot(self.optimizer, self._step + 1, clip)
         if not self.deferred and not self._reads_planned:  # the order this step's backward hands units over
             self.moments.plan(self._update_order)
             self._reads_planned = True
@@ -509,10 +519,11 @@ class SlideEngine:
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
         if self._window_grads == 0:
             return
+        measured, self._norms_measured = self._norms_measured and backward_ran, False
         self._window_grads, self._reads_planned = 0, False
         self._step += 1
         if self.deferred:
-            self._launch_deferred(plan, norm_of_sums=not backward_ran)
+            self._launch_deferred(plan, norm_of_sums=not measured)
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
@@ -558,8 +569,9 @@ class SlideEngine:
     def _launch_deferred(self, plan: StepPlan, norm_of_sums: bool = False) -> None:
         """All gradients summed on the host: clip by the global norm, then update in forward order.
 
-        The norm comes with the window's last gradients (the optimizer thread measures each final sum); when that
-        backward was skipped, `norm_of_sums` measures the sums here instead.
+        The norm comes with the window's last gradients (the optimizer thread measures each final sum); when they
+        came before the step was known (manual optimization) or that backward was skipped, `norm_of_sums`
+        measures the sums here instead.
         """
         self.wait_drain_s += self._drain()
         if plan.clip_norm is not None:

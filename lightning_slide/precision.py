@@ -34,6 +34,7 @@ class SlidePrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.engine: engine_module.SlideEngine | None = None
         self.device_type = "cpu"
+        self.automatic = True  # the module's automatic_optimization (the strategy sets it at setup)
 
     @classmethod
     def adopt(cls, plugin: Precision) -> "SlidePrecision":
@@ -82,7 +83,14 @@ class SlidePrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """The engine clips by the global norm on the host before any update (configured at setup)."""
+        """Automatic optimization: the engine clips by the global norm it was given at setup, so this call (from
+        Lightning's loop) has nothing left to do. Manual optimization: the call comes between the backward and
+        `opt.step()`, and clips that step by the global norm."""
+        if not clip_val or self.engine is None or self.automatic:
+            return
+        if GradClipAlgorithmType(gradient_clip_algorithm) != GradClipAlgorithmType.NORM:
+            raise ValueError("slideformer clips by the global gradient norm only: use gradient_clip_algorithm='norm'.")
+        self.engine.clip_next(float(clip_val))
 
 
 def _unsupported(precision: str) -> str:

@@ -163,7 +163,7 @@ class SlideStrategy(SingleDeviceStrategy):
             accumulate=trainer.accumulate_grad_batches > 1,
             deferred=not module.automatic_optimization,
         )
-        precision.engine = self.engine
+        precision.engine, precision.automatic = self.engine, module.automatic_optimization
         self.setup_precision_plugin()
 
     def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any, dtype: torch.dtype) -> None:

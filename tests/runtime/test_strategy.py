@@ -57,6 +57,35 @@ def test_manual_optimization_matches_adamw():
     assert relative_difference(reference(model, batches, 4), module.model) <= 1e-6
 
 
+class ClipsManually(CausalLM):
+    automatic_optimization = False
+
+    def __init__(self, model: torch.nn.Module, algorithm: str = "norm") -> None:
+        super().__init__(model)
+        self.algorithm = algorithm
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm=self.algorithm)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_clip_gradients_in_manual_optimization_clips_that_step_as_with_lightning():
+    model, batches = tiny_model("llama"), token_batches(3)
+    runs = []
+    for strategy in ("auto", "slideformer"):
+        runs.append(ClipsManually(copy.deepcopy(model)))
+        trainer(strategy, 3).fit(runs[-1], DataLoader(batches, batch_size=None))
+    assert relative_difference(runs[0].model, runs[1].model) <= 1e-6
+
+
+def test_clipping_by_value_in_manual_optimization_is_refused():
+    with pytest.raises(ValueError, match="global gradient norm only"):
+        trainer("slideformer", 1).fit(ClipsManually(tiny_model(), "value"), DataLoader(token_batches(1), batch_size=None))
+
+
 class StepsEveryOtherBackward(CausalLM):
     """Manual optimization that also calls step() without a backward before it (a no-op for torch's AdamW)."""
 
