@@ -2,6 +2,7 @@
 
 import copy
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -57,55 +58,50 @@ def test_manual_optimization_matches_adamw():
     assert relative_difference(reference(model, batches, 4), module.model) <= 1e-6
 
 
-class ClipsManually(CausalLM):
+def _lightning_and_ours(make: Callable[[], CausalLM], batches: list, steps: int, **settings) -> list[CausalLM]:
+    """The same module trained by Lightning's own strategy, then by slideformer."""
+    runs = []
+    for strategy in ("auto", "slideformer"):
+        runs.append(make())
+        trainer(strategy, steps, **settings).fit(runs[-1], DataLoader(batches, batch_size=None))
+    return runs
+
+
+class ManualVariants(CausalLM):
+    """Manual optimization with a backward every `backward_every` batches (step() runs on every batch, a no-op
+    for torch's AdamW without one) and, given `clip`, clip_gradients between the backward and the step."""
+
     automatic_optimization = False
 
-    def __init__(self, model: torch.nn.Module, algorithm: str = "norm") -> None:
+    def __init__(self, model: torch.nn.Module, backward_every: int = 1, clip: str | None = None) -> None:
         super().__init__(model)
-        self.algorithm = algorithm
+        self.backward_every, self.clip = backward_every, clip
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
-        self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
-        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm=self.algorithm)
+        if batch_idx % self.backward_every == 0:
+            self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
+        if self.clip:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm=self.clip)
         opt.step()
         opt.zero_grad()
 
 
 def test_clip_gradients_in_manual_optimization_clips_that_step_as_with_lightning():
-    model, batches = tiny_model("llama"), token_batches(3)
-    runs = []
-    for strategy in ("auto", "slideformer"):
-        runs.append(ClipsManually(copy.deepcopy(model)))
-        trainer(strategy, 3).fit(runs[-1], DataLoader(batches, batch_size=None))
-    assert relative_difference(runs[0].model, runs[1].model) <= 1e-6
+    model = tiny_model("llama")
+    lightning, ours = _lightning_and_ours(lambda: ManualVariants(copy.deepcopy(model), clip="norm"), token_batches(3), 3)
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
 def test_clipping_by_value_in_manual_optimization_is_refused():
     with pytest.raises(ValueError, match="global gradient norm only"):
-        trainer("slideformer", 1).fit(ClipsManually(tiny_model(), "value"), DataLoader(token_batches(1), batch_size=None))
-
-
-class StepsEveryOtherBackward(CausalLM):
-    """Manual optimization that also calls step() without a backward before it (a no-op for torch's AdamW)."""
-
-    automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        if batch_idx % 2 == 0:
-            self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
-        opt.step()
-        opt.zero_grad()
+        trainer("slideformer", 1).fit(ManualVariants(tiny_model(), clip="value"), DataLoader(token_batches(1), batch_size=None))
 
 
 def test_a_manual_step_without_a_backward_changes_nothing_as_with_lightning():
-    model, batches = tiny_model("llama"), token_batches(4)
-    runs = []
-    for strategy in ("auto", "slideformer"):
-        runs.append(StepsEveryOtherBackward(copy.deepcopy(model)))
-        trainer(strategy, 4).fit(runs[-1], DataLoader(batches, batch_size=None))
-    assert relative_difference(runs[0].model, runs[1].model) <= 1e-6
+    model = tiny_model("llama")
+    lightning, ours = _lightning_and_ours(lambda: ManualVariants(copy.deepcopy(model), backward_every=2), token_batches(4), 4)
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
 class SkipsBatches(CausalLM):
@@ -128,11 +124,8 @@ class SkipsBatches(CausalLM):
 def test_a_batch_whose_training_step_returns_none_is_skipped_as_lightning_skips_it(skip, window):
     """Lightning's own loop is the reference: no backward for the batch; the optimizer steps on what the
     window's other micro-batches accumulated, and not at all when there is none."""
-    model, batches, steps = tiny_model("llama"), token_batches(8), 3
-    lightning = SkipsBatches(copy.deepcopy(model), skip)
-    trainer("auto", steps, **window).fit(lightning, DataLoader(batches, batch_size=None))
-    ours = SkipsBatches(copy.deepcopy(model), skip)
-    trainer("slideformer", steps, **window).fit(ours, DataLoader(batches, batch_size=None))
+    model = tiny_model("llama")
+    lightning, ours = _lightning_and_ours(lambda: SkipsBatches(copy.deepcopy(model), skip), token_batches(8), 3, **window)
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
