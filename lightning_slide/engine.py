@@ -303,7 +303,7 @@ class SlideEngine:
         self._step_tokens = 0
         self.adaptation: str | None = None  # what the last adaptation did, for the log
         self.graphs = GraphBudget(config.recompute)
-        self._step_tensor = torch.tensor(0.0)
+        self._step_tensors: list[torch.Tensor] = []
         self._tape_position = 0
         self._last_call: weakref.ref | None = None
         self.wait_grads_s = 0.0
@@ -368,11 +368,13 @@ class SlideEngine:
                     m._buffers[name] = buf.to(self.device)
 
     def _bind_optimizer_state(self) -> None:
-        """Expose the flat Adam state as torch's own per-parameter state (so state_dict() is standard)."""
-        self._step_tensor = torch.tensor(float(self._step))
+        """Expose the flat Adam state as torch's own per-parameter state, so state_dict() is standard: each
+        parameter has its own step tensor, as in torch's AdamW, which increments them in place after loading."""
+        self._step_tensors = []
         for s in self.storages:
             for p in (q for q in s.params if s.offsets[id(q)] < s.trainable_numel):
-                state = {"step": self._step_tensor, "exp_avg": s.view(s.exp_avg, p), "exp_avg_sq": s.view(s.exp_avg_sq, p)}
+                self._step_tensors.append(step := torch.tensor(float(self._step)))
+                state = {"step": step, "exp_avg": s.view(s.exp_avg, p), "exp_avg_sq": s.view(s.exp_avg_sq, p)}
                 if s.max_exp_avg_sq is not None:
                     state["max_exp_avg_sq"] = s.view(s.max_exp_avg_sq, p)
                 self.optimizer.state[p] = state
@@ -595,7 +597,8 @@ class SlideEngine:
     def synchronize(self) -> None:
         """Wait for every queued copy and update (before reading weights or optimizer state)."""
         self.wait_drain_s += self._drain()
-        self._step_tensor.fill_(float(self._step))
+        for step in self._step_tensors:
+            step.fill_(float(self._step))
 
     # -------------------------------------------------------------------------------------- state
     def master_changed(self) -> None:

@@ -3,6 +3,7 @@
 import copy
 import os
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -24,6 +25,18 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tmp_path):
     _fit(straight, batches, 6, tmp_path, callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)])
     resumed = CausalLM(tiny_model("qwen2-tied", seed=123))  # other weights: everything must come from the file
     _fit(resumed, batches, 6, tmp_path, ckpt_path=str(tmp_path / "epoch=1-step=4.ckpt"))
+    assert relative_difference(straight.model, resumed.model) <= 1e-6
+
+
+@pytest.mark.parametrize("first, then", [("auto", "slideformer"), ("slideformer", "auto")])
+def test_a_run_continues_exactly_under_the_other_strategy_from_its_checkpoint(first, then, tmp_path):
+    """Move a run between Lightning's own strategy and slideformer (a bigger GPU, then a smaller one)."""
+    model, batches = tiny_model("llama"), token_batches(4)
+    straight = CausalLM(copy.deepcopy(model))
+    _fit(straight, batches, 6, tmp_path, strategy=first,
+         callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)])
+    resumed = CausalLM(tiny_model("llama", seed=123))
+    _fit(resumed, batches, 6, tmp_path / "then", ckpt_path=str(tmp_path / "epoch=1-step=4.ckpt"), strategy=then)
     assert relative_difference(straight.model, resumed.model) <= 1e-6
 
 
