@@ -58,12 +58,14 @@ def test_manual_optimization_matches_adamw():
     assert relative_difference(reference(model, batches, 4), module.model) <= 1e-6
 
 
-def _lightning_and_ours(make: Callable[[], CausalLM], batches: list, steps: int, **settings) -> list[CausalLM]:
-    """The same module trained by Lightning's own strategy, then by slideformer."""
+def _lightning_and_ours(make: Callable[[], CausalLM], batches: list, steps: int, val_batches: list | None = None,
+                        **settings) -> list[CausalLM]:
+    """The same module trained (and validated on `val_batches`) by Lightning's own strategy, then by slideformer."""
     runs = []
     for strategy in ("auto", "slideformer"):
         runs.append(make())
-        trainer(strategy, steps, **settings).fit(runs[-1], DataLoader(batches, batch_size=None))
+        val = DataLoader(val_batches, batch_size=None) if val_batches else None
+        trainer(strategy, steps, **settings).fit(runs[-1], DataLoader(batches, batch_size=None), val)
     return runs
 
 
@@ -139,6 +141,24 @@ def test_a_loss_that_reaches_no_parameter_changes_nothing_as_with_lightning():
     module = Detached(copy.deepcopy(model))
     trainer("slideformer", 2).fit(module, DataLoader(token_batches(2), batch_size=None))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), module.model.parameters()))
+
+
+class Generates(CausalLM):
+    """Greedy samples with a KV cache from inside validation, as a run that prints samples does."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.samples: list[torch.Tensor] = []
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.samples.append(self.model.generate(batch[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0).cpu())
+
+
+def test_generate_with_a_kv_cache_inside_validation_matches_lightning():
+    model, batches = tiny_model("llama"), token_batches(3)
+    lightning, ours = _lightning_and_ours(lambda: Generates(copy.deepcopy(model)), batches, 2, batches[:1],
+                                         val_check_interval=1)
+    assert len(ours.samples) == 2 and all(torch.equal(a, b) for a, b in zip(lightning.samples, ours.samples))
 
 
 class Evaluates(CausalLM):
