@@ -256,6 +256,8 @@ class SlideEngine:
         self.needs_acc = accumulate or self.deferred
         self.model = find_causal_lm(root)
         _check_all_parameters_inside(root, self.model)
+        self._optimized = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        self._trains = [p.requires_grad for p in self._optimized]
         self._prepare_model()
         specs = causal_lm_units(self.model)
         group_of = _group_index(optimizer, root) if optimizer is not None else {}
@@ -500,11 +502,22 @@ class SlideEngine:
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
         self.failure.check()
+        self._check_trainable()
         clip, self._clip_once = self._clip_once or self.clip_norm, None
         self._plan = snapshot(self.optimizer, self._step + 1, clip)
         if not self.deferred and not self._reads_planned:  # the order this step's backward hands units over
             self.moments.plan(self._update_order)
             self._reads_planned = True
+
+    def _check_trainable(self) -> None:
+        """Which parameters train is fixed when the run starts: their optimizer state is laid out then."""
+        changed = [p for p, trains in zip(self._optimized, self._trains) if p.requires_grad != trains]
+        if changed:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            raise RuntimeError(
+                f"slideformer fixes which parameters train when fit starts, but {len(changed)} parameter(s) of the "
+                f"optimizer changed requires_grad since (e.g. {names.get(id(changed[0]), '?')}). Freeze or unfreeze "
+                "before trainer.fit; to change it later, start a new fit.")
 
     def end_step(self, backward_ran: bool = True) -> None:
         """The window's last backward has run, or was skipped (`backward_ran` False: training_step returned None).

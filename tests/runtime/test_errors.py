@@ -115,3 +115,26 @@ def test_running_out_of_gpu_memory_in_a_step_says_what_to_change():
     with pytest.raises(torch.OutOfMemoryError, match="(?s)Tried to allocate 2.00 GiB.*recompute='always'.*"
                                                      "expandable_segments:True"):
         trainer("slideformer", 1).fit(Oom(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+class TogglesTheEmbedding(CausalLM):
+    """Gradual unfreezing (or freezing) in the middle of a run."""
+
+    def __init__(self, model: torch.nn.Module, trains: bool) -> None:
+        super().__init__(model)
+        self.trains = trains
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters())  # frozen parameters included, as torch allows
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 1:
+            self.model.model.embed_tokens.weight.requires_grad_(self.trains)
+
+
+@pytest.mark.parametrize("trains", [True, False], ids=["unfreeze", "freeze"])
+def test_changing_which_parameters_train_during_fit_is_refused_by_name(trains):
+    model = tiny_model()
+    model.model.embed_tokens.weight.requires_grad_(not trains)
+    with pytest.raises(RuntimeError, match="changed requires_grad since .*model.embed_tokens.weight"):
+        _fit(TogglesTheEmbedding(model, trains))
