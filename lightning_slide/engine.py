@@ -446,6 +446,10 @@ class SlideEngine:
 
     def _dispatch(self, unit: int) -> None:
         """A unit's gradient is complete: send it to the optimizer (update now, or accumulate)."""
+        if self._plan is None and not self.needs_acc:
+            raise RuntimeError("A backward ran outside an optimizer step, but this run keeps no gradient sums: "
+                               "gradient accumulation must be known when fit starts (accumulate_grad_batches, or a "
+                               "GradientAccumulationScheduler among the Trainer's callbacks).")
         storage = self.storages[unit]
         update = self._plan is not None and not self.deferred
         if update:

@@ -20,6 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -160,7 +161,7 @@ class SlideStrategy(SingleDeviceStrategy):
             self.root_device,
             precision.compute_dtype,
             clip_norm=self._clip_norm(trainer),
-            accumulate=trainer.accumulate_grad_batches > 1,
+            accumulate=self._accumulates(trainer),
             deferred=not module.automatic_optimization,
         )
         precision.engine, precision.automatic = self.engine, module.automatic_optimization
@@ -170,7 +171,7 @@ class SlideStrategy(SingleDeviceStrategy):
         """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
         setup = Setup(
             self.config, self.root_device.type, dtype, training=optimizer is not None,
-            grad_sums=trainer.accumulate_grad_batches > 1 or bool(self._clip_norm(trainer))
+            grad_sums=self._accumulates(trainer) or bool(self._clip_norm(trainer))
             or not module.automatic_optimization,
             amsgrad=optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups),
         )
@@ -198,6 +199,15 @@ class SlideStrategy(SingleDeviceStrategy):
             )
         if trainer.gradient_clip_val and is_overridden("configure_gradient_clipping", module):
             rank_zero_warn("slideformer clips in its engine; your configure_gradient_clipping override is not used.")
+
+    @staticmethod
+    def _accumulates(trainer: Trainer) -> bool:
+        """Whether any optimizer step of this fit sums several backwards (also later epochs of a
+        GradientAccumulationScheduler): the host then keeps gradient sums from the start."""
+        factors = [trainer.accumulate_grad_batches] + [
+            factor for cb in trainer.callbacks if isinstance(cb, GradientAccumulationScheduler)
+            for factor in cb.scheduling.values()]
+        return max(factors) > 1
 
     @staticmethod
     def _clip_norm(trainer: Trainer) -> float | None:

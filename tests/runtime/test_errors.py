@@ -138,3 +138,16 @@ def test_changing_which_parameters_train_during_fit_is_refused_by_name(trains):
     model.model.embed_tokens.weight.requires_grad_(not trains)
     with pytest.raises(RuntimeError, match="changed requires_grad since .*model.embed_tokens.weight"):
         _fit(TogglesTheEmbedding(model, trains))
+
+
+def test_accumulation_that_starts_unannounced_during_fit_is_refused():
+    from lightning.pytorch import Callback
+
+    class AccumulateFromTheSecondEpoch(Callback):  # what GradientAccumulationScheduler does, unrecognised
+        def on_train_epoch_start(self, trainer, module):
+            trainer.accumulate_grad_batches = 1 if trainer.current_epoch == 0 else 2
+
+    with pytest.raises(RuntimeError, match="gradient accumulation must be known when fit starts"):
+        trainer("slideformer", -1, max_epochs=2, callbacks=[AccumulateFromTheSecondEpoch()]).fit(
+            CausalLM(tiny_model()), DataLoader(token_batches(4), batch_size=None))
+

@@ -98,6 +98,16 @@ def test_left_padded_batches_with_masked_labels_match_adamw():
     assert relative_difference(expected, ours.model) <= 1e-6
 
 
+def test_a_gradient_accumulation_scheduler_steps_as_lightning_does():
+    """One batch per step in the first epoch, two from the second: the host keeps sums from the start."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    model, batches = tiny_model("llama"), token_batches(4)
+    runs = [fit(model, batches, strategy, -1, max_epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})])
+            for strategy in ("auto", "slideformer")]
+    assert relative_difference(runs[0].model, runs[1].model) <= 1e-6
+
+
 def test_fp32_matches_adamw_with_accumulation_and_no_clipping():
     model, batches = tiny_model("llama"), token_batches(STEPS * 3)
     expected = reference(model, batches, STEPS, accumulate=3)
