@@ -296,7 +296,7 @@ class SlideEngine:
         self._written: set[int] = set()
         self._receiving: dict[int, GradBuffer] = {}
         self._plan: StepPlan | None = None
-        self._window_grads = 0  # unit gradients dispatched since the last optimizer step
+        self._window_units: set[int] = set()  # units that got a gradient since the last optimizer step
         self._norms_measured = False  # the optimizer thread measured the final sums (they came under a plan)
         self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
         self._step = 0
@@ -454,7 +454,7 @@ class SlideEngine:
         update = self._plan is not None and not self.deferred
         if update:
             self.adam.schedule(unit)
-        self._window_grads += 1
+        self._window_units.add(unit)
         self._norms_measured = self._plan is not None
         buffer = self._receiving.pop(unit)
         buffer.idle.clear()
@@ -466,7 +466,20 @@ class SlideEngine:
         else:
             self.pump.put(dispatch)
         if not any(self._pending):  # the backward's last gradient
+            self._check_planned_reads()
             self._release_held()
+
+    def _check_planned_reads(self) -> None:
+        """Updates during the backward read their disk state in an order planned when the step began (reads run
+        ahead of the backward): a unit on disk that got no gradient would leave its planned reads untaken."""
+        if self.deferred or self._plan is None:
+            return
+        idle = [self.storages[u].name for u in self.moments.on_disk if u not in self._window_units]
+        if idle:
+            raise RuntimeError(
+                f"With Adam state on disk every trainable unit needs a gradient in each step, but {idle} got none "
+                "(is the model fed inputs_embeds made outside it?). Clip gradients or accumulate (updates then "
+                "follow the backward and skip such units), or keep the state in RAM (offload='cpu').")
 
     def _release_held(self) -> None:
         """Hand the held-back gradients over, lowest unit first (the order the next forward loads them)."""
@@ -536,13 +549,13 @@ class SlideEngine:
         if any(self._pending):
             missing = [self.storages[u].name for u, n in enumerate(self._pending) if n]
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
-        if self._window_grads == 0:
+        if not self._window_units:
             return
         measured, self._norms_measured = self._norms_measured and backward_ran, False
-        self._window_grads, self._reads_planned = 0, False
+        units, self._window_units, self._reads_planned = sorted(self._window_units), set(), False
         self._step += 1
         if self.deferred:
-            self._launch_deferred(plan, norm_of_sums=not measured)
+            self._launch_deferred(plan, units, norm_of_sums=not measured)
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
@@ -585,8 +598,9 @@ class SlideEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._adapted = False
 
-    def _launch_deferred(self, plan: StepPlan, norm_of_sums: bool = False) -> None:
-        """All gradients summed on the host: clip by the global norm, then update in forward order.
+    def _launch_deferred(self, plan: StepPlan, units: list[int], norm_of_sums: bool = False) -> None:
+        """All gradients summed on the host: clip by the global norm, then update `units` (those that got a
+        gradient in this window; AdamW skips the others) in forward order.
 
         The norm comes with the window's last gradients (the optimizer thread measures each final sum); when they
         came before the step was known (manual optimization) or that backward was skipped, `norm_of_sums`
@@ -595,17 +609,15 @@ class SlideEngine:
         self.wait_drain_s += self._drain()
         if plan.clip_norm is not None:
             if norm_of_sums:
-                for s in self.storages:
-                    if s.trainable_numel:
-                        plan.add_sq_norm(s.grad_acc)
+                for u in units:
+                    plan.add_sq_norm(self.storages[u].grad_acc)
             coef = plan.clip_norm / (math.sqrt(plan.sq_norm) + 1e-6)
             if coef < 1.0:
                 plan.grad_scale = torch.tensor(1.0 / coef)
-        self.moments.plan(range(len(self.storages)))
-        for u, s in enumerate(self.storages):
-            if s.trainable_numel:
-                self.adam.schedule(u)
-                self.adam.put(DeferredUpdate(u, plan))
+        self.moments.plan(units)
+        for u in units:
+            self.adam.schedule(u)
+            self.adam.put(DeferredUpdate(u, plan))
 
     def _drain(self) -> float:
         waited = self.failure.wait(self.pump.worker.idle, "the gradient copies") if self.pump else 0.0

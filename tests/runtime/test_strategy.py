@@ -143,6 +143,23 @@ def test_a_loss_that_reaches_no_parameter_changes_nothing_as_with_lightning():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), module.model.parameters()))
 
 
+class EmbedsOutside(CausalLM):
+    """Feeds inputs_embeds made without the model's embedding: that unit gets no gradient."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(batch_idx)
+        embeds = torch.randn(*batch.shape, self.model.config.hidden_size, generator=g)
+        return self.model(inputs_embeds=embeds, labels=batch).loss
+
+
+@pytest.mark.parametrize("window", [dict(), dict(clip=0.5), dict(accumulate=2)], ids=["eager", "clipped", "accumulated"])
+def test_a_unit_without_a_gradient_is_left_as_adamw_leaves_it(window):
+    model = tiny_model("llama")
+    lightning, ours = _lightning_and_ours(lambda: EmbedsOutside(copy.deepcopy(model)), token_batches(6), 3, **window)
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
+    assert torch.equal(ours.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 class Generates(CausalLM):
     """Greedy samples with a KV cache from inside validation, as a run that prints samples does."""
 

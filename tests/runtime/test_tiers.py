@@ -343,3 +343,12 @@ def test_a_skipped_step_keeps_its_planned_disk_reads_for_the_next_one(tmp_path):
     module = SkipsBatches(tiny_model("llama"), skip={1, 2})  # two skipped steps between two that update
     trainer(strategy, 4, callbacks=[PlannedReadsAtTheEnd()]).fit(module, DataLoader(token_batches(8), batch_size=None))
     assert left == [0]
+
+
+def test_a_unit_on_disk_without_a_gradient_in_an_eager_step_is_refused_by_name(tmp_path):
+    from tests.runtime.test_strategy import EmbedsOutside
+
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, chunk_elems=4096)
+    with pytest.raises(RuntimeError, match=r"every trainable unit needs a gradient in each step, but \['embed'\]"):
+        trainer(strategy, 2).fit(EmbedsOutside(tiny_model()), DataLoader(token_batches(2), batch_size=None))
+
