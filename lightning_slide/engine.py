@@ -511,9 +511,7 @@ class SlideEngine:
 
     def clip_next(self, max_norm: float) -> None:
         """Clip the next step's gradients to this global norm (manual optimization's `clip_gradients`, which
-        comes after the backward and before the step it is for)."""
-        if not self.deferred:
-            raise RuntimeError("clip_next needs deferred updates (manual optimization or a clip_norm at setup).")
+        comes after the backward and before the step it is for; manual optimization always defers updates)."""
         self._clip_once = max_norm
 
     def begin_step(self) -> None:
@@ -551,7 +549,7 @@ class SlideEngine:
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
         if not self._window_units:
             return
-        measured, self._norms_measured = self._norms_measured and backward_ran, False
+        measured, self._norms_measured = self._norms_measured, False
         units, self._window_units, self._reads_planned = sorted(self._window_units), set(), False
         self._step += 1
         if self.deferred:

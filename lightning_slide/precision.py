@@ -73,7 +73,7 @@ class SlidePrecision(Precision):
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(f"{error}\n{OUT_OF_MEMORY}") from error
         self._after_closure(model, optimizer)
-        engine.end_step(backward_ran=result is not None or not getattr(model, "automatic_optimization", True))
+        engine.end_step(backward_ran=result is not None or not self.automatic)
         optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (torch.optim.lr_scheduler)
         return result
 

@@ -75,6 +75,27 @@ class CausalLM(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class SkipsBatches(CausalLM):
+    """Returns None for some batches: Lightning then runs no backward for them."""
+
+    def __init__(self, model: torch.nn.Module, skip: set[int]) -> None:
+        super().__init__(model)
+        self.skip = skip
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in self.skip else loss
+
+
+class EmbedsOutside(CausalLM):
+    """Feeds inputs_embeds made without the model's embedding: that unit gets no gradient."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(batch_idx)
+        embeds = torch.randn(*batch.shape, self.model.config.hidden_size, generator=g)
+        return self.model(inputs_embeds=embeds, labels=batch).loss
+
+
 def trainer(strategy, steps: int, accumulate: int = 1, clip: float | None = None, precision: str = "32-true",
             **kwargs) -> Trainer:
     settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -10,7 +10,8 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_slide import SlidePrecision, SlideStrategy
-from tests.runtime.helpers import CausalLM, param_groups, reference, relative_difference, tiny_model, token_batches, trainer
+from tests.runtime.helpers import (CausalLM, EmbedsOutside, SkipsBatches, param_groups, reference, relative_difference,
+                                   tiny_model, token_batches, trainer)
 
 
 def test_strategy_name_and_precision_flag_are_honoured():
@@ -106,18 +107,6 @@ def test_a_manual_step_without_a_backward_changes_nothing_as_with_lightning():
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
-class SkipsBatches(CausalLM):
-    """Returns None for some batches: Lightning then runs no backward for them."""
-
-    def __init__(self, model: torch.nn.Module, skip: set[int]) -> None:
-        super().__init__(model)
-        self.skip = skip
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int):
-        loss = super().training_step(batch, batch_idx)
-        return None if batch_idx in self.skip else loss
-
-
 @pytest.mark.parametrize(
     "skip, window",
     [({1}, dict()), ({1, 2}, dict(clip=0.5)), ({3}, dict(accumulate=2, clip=0.5)), ({2}, dict(accumulate=2))],
@@ -141,15 +130,6 @@ def test_a_loss_that_reaches_no_parameter_changes_nothing_as_with_lightning():
     module = Detached(copy.deepcopy(model))
     trainer("slideformer", 2).fit(module, DataLoader(token_batches(2), batch_size=None))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), module.model.parameters()))
-
-
-class EmbedsOutside(CausalLM):
-    """Feeds inputs_embeds made without the model's embedding: that unit gets no gradient."""
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(batch_idx)
-        embeds = torch.randn(*batch.shape, self.model.config.hidden_size, generator=g)
-        return self.model(inputs_embeds=embeds, labels=batch).loss
 
 
 @pytest.mark.parametrize("window", [dict(), dict(clip=0.5), dict(accumulate=2)], ids=["eager", "clipped", "accumulated"])

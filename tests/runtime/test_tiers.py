@@ -17,7 +17,8 @@ from lightning_slide.planner import ModelShape, Plan, PlanError, Resources, Setu
 from lightning_slide.threads import Failure, WorkerError
 from lightning_slide.tiers import DiskTierError, Region, Spill, TierDirectory
 from tests.runtime.test_planner import SMALL
-from tests.runtime.helpers import CausalLM, fit, param_groups, tiny_model, token_batches, trainer
+from tests.runtime.helpers import (CausalLM, EmbedsOutside, SkipsBatches, fit, param_groups, tiny_model, token_batches,
+                                   trainer)
 
 STEPS = 4
 
@@ -331,8 +332,6 @@ def test_a_skipped_step_keeps_its_planned_disk_reads_for_the_next_one(tmp_path):
     """training_step returning None skips a step: the reads planned for its updates serve the next step's."""
     from lightning.pytorch import Callback
 
-    from tests.runtime.test_strategy import SkipsBatches
-
     strategy, left = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, chunk_elems=4096), []
 
     class PlannedReadsAtTheEnd(Callback):
@@ -346,8 +345,6 @@ def test_a_skipped_step_keeps_its_planned_disk_reads_for_the_next_one(tmp_path):
 
 
 def test_a_unit_on_disk_without_a_gradient_in_an_eager_step_is_refused_by_name(tmp_path):
-    from tests.runtime.test_strategy import EmbedsOutside
-
     strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, chunk_elems=4096)
     with pytest.raises(RuntimeError, match=r"every trainable unit needs a gradient in each step, but \['embed'\]"):
         trainer(strategy, 2).fit(EmbedsOutside(tiny_model()), DataLoader(token_batches(2), batch_size=None))
