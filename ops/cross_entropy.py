@@ -45,6 +45,14 @@ accumulator would be T x H x 4 bytes, 256 MiB at 16k x 4096, four times the budg
 gradient is summed per slice in fp32, also written once. `overlap` does not apply: its GEMMs
 all have full-size outputs.
 
+`"tiles"`: the vocab schedule over blocks of rows, so that neither the row count of a GEMM nor the
+number of recomputed slices is extreme. A block has at least `TILE_ROWS` (512) rows and the vocabulary
+is cut into the fewest equal slices that fit beside them: two at vocab 128256 (512 x 64128), three at
+151936 (640 x 50688). Each block recomputes all but its last slice, 7·T·H·V FLOPs at two slices (7.33
+at three), against the row schedule's 6 plus its grad_W traffic: with 512 rows a block's grad_W update
+does 256 FLOPs per byte of grad_W it reads and writes, above the H200's ~200 FLOP/B ridge, and there
+are half as many of them. grad_x is rounded once per slice, grad_W once per block (32 times at 16k).
+
 Measured (H200, bf16, 16k tokens, hidden 4096, fwd+bwd, benchmarks/results/s5/ops): "rows" 107.6 ms
 and "vocab" 107.0 at vocab 128256; 141.0 and 127.3 at vocab 151936 (Liger-Kernel 87.9 / 106.1 at
 125 / 150 MiB, Cut Cross-Entropy 90.7 / 104.5). The row schedule stays the default; neither beats
@@ -71,8 +79,9 @@ IGNORE_INDEX = -100
 CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 MiB
 CE_BLOCK = 8192  # vocabulary columns per step of the row kernels' online log-sum-exp
 OVERLAP = True  # default: overlap a chunk's memory-bound grad_W update on a second CUDA stream
-SCHEDULES = ("rows", "vocab")
+SCHEDULES = ("rows", "vocab", "tiles")
 SCHEDULE = "rows"  # default: see the module docstring
+TILE_ROWS = 512  # the tiles schedule's fewest rows per block: its grad_W update is then compute-bound
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -356,6 +365,18 @@ def slice_cols(tokens: int, vocab: int, element_size: int, chunk_mib: float = CH
     return _fit(max(1, budget // (max(tokens, 1) * element_size)), vocab, 128)
 
 
+def tile_shape(tokens: int, vocab: int, element_size: int, chunk_mib: float = CHUNK_MIB,
+               min_rows: int | None = None) -> tuple[int, int]:
+    """Rows and vocabulary columns of the tiles schedule's blocks: the fewest equal slices of the vocabulary
+    (a multiple of 128 columns from 1024 on) that leave room in the budget for `min_rows` rows (default
+    `TILE_ROWS`), or for every token, with their online log-sum-exp state (3 fp32 a row)."""
+    budget, want = int(chunk_mib * 2**20), min(tokens, TILE_ROWS if min_rows is None else min_rows)
+    slices = -(-vocab // max(1, (budget // want - 12) // element_size))
+    cols = -(-vocab // slices)
+    cols = min(vocab, -(-cols // 128) * 128) if cols >= 1024 else cols
+    return _fit(max(1, budget // (cols * element_size + 12)), tokens, 64), cols
+
+
 def _logits_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     if b is None:
         torch.mm(x, w.t(), out=out)
@@ -439,13 +460,24 @@ def _row_chunks(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
         main.wait_stream(_side_stream(x.device))
 
 
-def _vocab_slices(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
-    """The vocab schedule: the online log-sum-exp over all slices, then each slice's gradients."""
+def _slices(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, rows: int, cols: int) -> None:
+    """The vocab and tiles schedules: blocks of `rows` rows, each through vocabulary slices of `cols`
+    columns, first folded into an online log-sum-exp, then walked back into their gradients."""
     T, V = x.shape[0], w.shape[0]
-    cols = slice_cols(T, V, x.element_size(), o.chunk_mib)
-    buf = torch.empty(T * cols, dtype=x.dtype, device=x.device)
-    state = _lse_state(T, x.device)
+    buf = torch.empty(min(rows, T) * cols, dtype=x.dtype, device=x.device)
     slices = [(c, min(c + cols, V)) for c in range(0, V, cols)]
+    for s in range(0, T, rows):
+        e = min(s + rows, T)
+        _slices_of_block(x[s:e], w, b, y[s:e], inv, o, loss_rows[s:e], gx[s:e] if gx is not None else None,
+                         gw, gb, buf, slices, first=s == 0)
+
+
+def _slices_of_block(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, buf, slices, first: bool) -> None:
+    """One block of rows: pass 1 over every slice, then each slice's dlogits and gradient GEMMs, the last
+    slice first (its logits are still in the buffer). grad_W and the bias gradient add to what earlier
+    blocks wrote; grad_x is this block's own."""
+    T = x.shape[0]
+    state = _lse_state(T, x.device)
 
     def logits(c0: int, c1: int, compute: bool = True) -> torch.Tensor:
         out = buf[: T * (c1 - c0)].view(T, c1 - c0)
@@ -457,18 +489,21 @@ def _vocab_slices(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
         _slice_lse(logits(c0, c1), y, c0, state, loss_rows, inv, o, last=i == len(slices) - 1)
     if not o.write_grad:
         return
-    for i, (c0, c1) in enumerate(reversed(slices)):  # the last slice's logits are still in the buffer
+    for i, (c0, c1) in enumerate(reversed(slices)):
         lc = logits(c0, c1, compute=i > 0)
         _slice_grad(lc, y, c0, state[0], inv, o)
         if gw is not None:
-            torch.mm(lc.t(), x, out=gw[c0:c1])
+            if first:
+                torch.mm(lc.t(), x, out=gw[c0:c1])
+            else:
+                gw[c0:c1].addmm_(lc.t(), x)
         if gx is not None:
             if i == 0:
                 torch.mm(lc, w[c0:c1], out=gx)
             else:
                 gx.addmm_(lc, w[c0:c1])
         if gb is not None:
-            gb[c0:c1] = lc.sum(0, dtype=torch.float32)
+            gb[c0:c1] += lc.sum(0, dtype=torch.float32)
 
 
 def _loss_and_grads(x, w, b, y, inv, o: _Options):
@@ -478,8 +513,12 @@ def _loss_and_grads(x, w, b, y, inv, o: _Options):
     gx = torch.empty_like(x) if o.need_grad_x else None
     gw = (torch.empty_like(w) if T else torch.zeros_like(w)) if o.need_grad_w else None
     gb = torch.zeros(V, dtype=torch.float32, device=x.device) if o.need_grad_b else None
-    if T:
-        (_vocab_slices if o.schedule == "vocab" else _row_chunks)(x, w, b, y, inv, o, loss_rows, gx, gw, gb)
+    if T and o.schedule == "rows":
+        _row_chunks(x, w, b, y, inv, o, loss_rows, gx, gw, gb)
+    elif T:
+        rows, cols = ((T, slice_cols(T, V, x.element_size(), o.chunk_mib)) if o.schedule == "vocab"
+                      else tile_shape(T, V, x.element_size(), o.chunk_mib))
+        _slices(x, w, b, y, inv, o, loss_rows, gx, gw, gb, rows, cols)
     return loss_rows.sum(), gx, gw, (gb.to(b.dtype) if gb is not None else None)
 
 

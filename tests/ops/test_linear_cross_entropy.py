@@ -3,7 +3,8 @@
 Each schedule's budget (`BUDGET_ROWS`, in rows of logits) gives several blocks with a ragged last
 one: 23 tokens in row chunks of 5 (last 3) with "rows"; vocabulary slices of 39 columns (36 in
 bf16) over all 23 tokens (97 = 2·39 + 19) with "vocab" (three slices: the interpreter runs its
-programs one by one).
+programs one by one); with "tiles", at least 8 rows a block (`TILE_ROWS`), two slices of 49 and 48
+columns in blocks of 9, 9 and 5 rows (fp32) or 8, 8 and 7 (bf16).
 """
 import pytest
 import torch
@@ -16,7 +17,12 @@ from ops import (LinearCrossEntropyHead, causal_lm_loss, causal_targets, linear_
 DTYPES = [torch.float32, torch.bfloat16]
 T, H, V = 23, 16, 97  # odd sizes: 23 tokens in chunks of 5 leave a remainder of 3
 SCHEDULES = lce.SCHEDULES
-BUDGET_ROWS = {"rows": 5, "vocab": 10}
+BUDGET_ROWS = {"rows": 5, "vocab": 10, "tiles": 5}
+
+
+@pytest.fixture(autouse=True)
+def _tiles_of_a_few_rows(monkeypatch):
+    monkeypatch.setattr(lce, "TILE_ROWS", 8)
 
 
 def _chunk_mib(rows, dtype):
@@ -92,6 +98,20 @@ def test_targets_in_the_first_and_last_vocabulary_slice_and_at_their_edges(devic
     assert V // cols >= 2 and last < V - 1
     y = torch.tensor([0, cols - 1, cols, 2 * cols - 1, last - 1, last, V - 1] * 3 + [-100, V - 2])
     _check(torch.float32, device, assert_matches, targets=y, schedule="vocab", softcap=4.0, z_loss_weight=1e-2)
+
+
+@pytest.mark.parametrize("dtype, blocks", [(torch.float32, (9, 49)), (torch.bfloat16, (8, 49))])
+def test_tiles_at_test_sizes_split_both_rows_and_vocabulary_with_ragged_ends(dtype, blocks):
+    size = torch.empty((), dtype=dtype).element_size()
+    assert lce.tile_shape(T, V, size, _chunk_mib(BUDGET_ROWS["tiles"], dtype)) == blocks
+
+
+@pytest.mark.parametrize("vocab, blocks", [(128256, (512, 64128)), (151936, (640, 50688))])
+def test_tiles_at_llama_and_qwen_vocabularies_take_at_least_512_rows_within_64_mib(vocab, blocks, monkeypatch):
+    monkeypatch.setattr(lce, "TILE_ROWS", 512)
+    rows, cols = lce.tile_shape(16384, vocab, 2)
+    assert (rows, cols) == blocks
+    assert rows * (2 * cols + 12) <= 64 * 2**20
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
