@@ -208,6 +208,7 @@ LCE_VARIANTS = {
     "lightning-slide-256mib": {"chunk_mib": 256},  # what 4x the memory buys (over the 64 MiB target)
     "lightning-slide-vocab": {"schedule": "vocab"},  # vocabulary slices: grad_W written once, 4 GEMMs
     "lightning-slide-tiles": {"schedule": "tiles"},  # 512-row blocks in two vocabulary slices: 3.5 GEMMs
+    "lightning-slide-tiles-serial": {"schedule": "tiles", "overlap": False},
 }
 
 

@@ -42,8 +42,8 @@ read-modify-write traffic moves from grad_W (V x H, per row chunk) to grad_x (T 
 a fourth GEMM (8·T·H·V FLOPs, less one slice). grad_x accumulates in its own dtype, one rounding
 per slice (67 at 16k tokens, vocab 128256), as grad_W does in the row schedule: an fp32
 accumulator would be T x H x 4 bytes, 256 MiB at 16k x 4096, four times the budget. Its bias
-gradient is summed per slice in fp32, also written once. `overlap` does not apply: its GEMMs
-all have full-size outputs.
+gradient is summed per slice in fp32, also written once. `overlap` puts grad_x beside grad_W
+here too (in the tiles schedule below that matters: a block's grad_x has only 512 x 4096 outputs).
 
 `"tiles"`: the vocab schedule over blocks of rows, so that neither the row count of a GEMM nor the
 number of recomputed slices is extreme. A block has at least `TILE_ROWS` (512) rows and the vocabulary
@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,7 @@ from ops._triton import Kernel, device_function, launch_options, next_pow2, use_
 IGNORE_INDEX = -100
 CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 MiB
 CE_BLOCK = 8192  # vocabulary columns per step of the row kernels' online log-sum-exp
-OVERLAP = True  # default: overlap a chunk's memory-bound grad_W update on a second CUDA stream
+OVERLAP = True  # default: a block's grad_x GEMM runs on a second CUDA stream beside its grad_W update
 SCHEDULES = ("rows", "vocab", "tiles")
 SCHEDULE = "rows"  # default: see the module docstring
 TILE_ROWS = 512  # the tiles schedule's fewest rows per block: its grad_W update is then compute-bound
@@ -395,69 +396,63 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[index]
 
 
-def _lanes(x: torch.Tensor, o: _Options, grad_x, grad_w) -> tuple:
-    """The streams of a chunk's (logits + row kernel, grad_x, grad_W + bias) work; all None: in order.
-    grad_x runs on the high-priority side stream beside the grad_W update (when both exist)."""
-    if not (o.overlap and x.is_cuda and grad_w is not None and grad_x is not None):
-        return None, None, None
-    main = torch.cuda.current_stream(x.device)
-    return main, _side_stream(x.device), main
+class _GradXBeside:
+    """Runs each block's grad_x GEMM on the side stream, beside the grad_W update that the current stream
+    queues after it (`overlap`, on CUDA, when both gradients are wanted); in order otherwise.
 
+    grad_x starts once the block's dlogits are queued, and the buffer's next write waits until grad_x has
+    read it. Everything the side stream touches is allocated before the first block and lives through the
+    call, and `join` makes the current stream wait for the side stream at the end, so the caching
+    allocator never hands out memory that the side stream may still read.
+    """
 
-@contextmanager
-def _on(stream: torch.cuda.Stream | None, after: list[torch.cuda.Event]):
-    """Run the block on `stream` once the events in `after` have passed (in place when None)."""
-    if stream is None:
-        yield
-        return
-    for event in after:
-        stream.wait_event(event)
-    with torch.cuda.stream(stream):
-        yield
+    def __init__(self, x: torch.Tensor, o: _Options, gx, gw) -> None:
+        on = o.overlap and x.is_cuda and gx is not None and gw is not None
+        self.stream = _side_stream(x.device) if on else None
+        self.read: torch.cuda.Event | None = None
 
+    def before_write(self) -> None:
+        if self.read is not None:
+            torch.cuda.current_stream().wait_event(self.read)
 
-def _mark(stream: torch.cuda.Stream | None) -> list[torch.cuda.Event]:
-    """An event at the end of the work queued so far on `stream` (none when None)."""
-    return [] if stream is None else [stream.record_event()]
+    @contextmanager
+    def grad_x(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        self.read = self.stream.record_event()
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
 
 
 def _row_chunks(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
-    """The row schedule: chunks of rows through one logits buffer.
-
-    A chunk's logits GEMM overwrites the buffer only after the events that mark the end of its
-    previous reads (the grad_x and grad_W GEMMs of the chunk before); the gradient GEMMs start after
-    the event that marks its dlogits.
-    Everything used on the side stream is allocated before the loop and lives through the call,
-    and the main stream waits for the side stream at the end, so the caching allocator never
-    hands out memory that the side stream may still touch.
-    """
+    """The row schedule: chunks of whole rows through one logits buffer."""
     T, V = x.shape[0], w.shape[0]
     rows = chunk_rows(T, V, x.element_size(), o.chunk_mib)
     buf = torch.empty((rows, V), dtype=x.dtype, device=x.device)
-    lane_logits, lane_gx, lane_gw = _lanes(x, o, gx, gw)
-    main = torch.cuda.current_stream(x.device) if lane_logits is not None else None
-    free = _mark(main)  # after these events the buffer may be overwritten
+    beside = _GradXBeside(x, o, gx, gw)
     for s in range(0, T, rows):
         e = min(s + rows, T)
         xc, lc = x[s:e], buf[: e - s]
-        with _on(lane_logits, free):
-            _logits_into(lc, xc, w, b)
-            _rows(lc, y[s:e], loss_rows[s:e], inv, o)
-        ready = _mark(lane_logits)
+        beside.before_write()
+        _logits_into(lc, xc, w, b)
+        _rows(lc, y[s:e], loss_rows[s:e], inv, o)
         if gx is not None:
-            with _on(lane_gx, ready):
+            with beside.grad_x():
                 torch.mm(lc, w, out=gx[s:e])
-        with _on(lane_gw, ready):
-            if gw is not None:
-                if s == 0:
-                    torch.mm(lc.t(), xc, out=gw)
-                else:
-                    gw.addmm_(lc.t(), xc)
-            if gb is not None:
-                gb += lc.sum(0, dtype=torch.float32)
-        free = _mark(lane_gx) + _mark(lane_gw)
-    if main is not None:  # grad_x is complete, and the buffer may be freed, only after this
-        main.wait_stream(_side_stream(x.device))
+        if gw is not None:
+            if s == 0:
+                torch.mm(lc.t(), xc, out=gw)
+            else:
+                gw.addmm_(lc.t(), xc)
+        if gb is not None:
+            gb += lc.sum(0, dtype=torch.float32)
+    beside.join()
 
 
 def _slices(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, rows: int, cols: int) -> None:
@@ -466,13 +461,16 @@ def _slices(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, rows: int, cols
     T, V = x.shape[0], w.shape[0]
     buf = torch.empty(min(rows, T) * cols, dtype=x.dtype, device=x.device)
     slices = [(c, min(c + cols, V)) for c in range(0, V, cols)]
+    beside = _GradXBeside(x, o, gx, gw)
     for s in range(0, T, rows):
         e = min(s + rows, T)
         _slices_of_block(x[s:e], w, b, y[s:e], inv, o, loss_rows[s:e], gx[s:e] if gx is not None else None,
-                         gw, gb, buf, slices, first=s == 0)
+                         gw, gb, buf, slices, beside, first=s == 0)
+    beside.join()
 
 
-def _slices_of_block(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, buf, slices, first: bool) -> None:
+def _slices_of_block(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, buf, slices, beside: _GradXBeside,
+                     first: bool) -> None:
     """One block of rows: pass 1 over every slice, then each slice's dlogits and gradient GEMMs, the last
     slice first (its logits are still in the buffer). grad_W and the bias gradient add to what earlier
     blocks wrote; grad_x is this block's own."""
@@ -482,6 +480,7 @@ def _slices_of_block(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, buf, s
     def logits(c0: int, c1: int, compute: bool = True) -> torch.Tensor:
         out = buf[: T * (c1 - c0)].view(T, c1 - c0)
         if compute:
+            beside.before_write()
             _logits_into(out, x, w[c0:c1], b[c0:c1] if b is not None else None)
         return out
 
@@ -492,16 +491,17 @@ def _slices_of_block(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb, buf, s
     for i, (c0, c1) in enumerate(reversed(slices)):
         lc = logits(c0, c1, compute=i > 0)
         _slice_grad(lc, y, c0, state[0], inv, o)
+        if gx is not None:
+            with beside.grad_x():
+                if i == 0:
+                    torch.mm(lc, w[c0:c1], out=gx)
+                else:
+                    gx.addmm_(lc, w[c0:c1])
         if gw is not None:
             if first:
                 torch.mm(lc.t(), x, out=gw[c0:c1])
             else:
                 gw[c0:c1].addmm_(lc.t(), x)
-        if gx is not None:
-            if i == 0:
-                torch.mm(lc, w[c0:c1], out=gx)
-            else:
-                gx.addmm_(lc, w[c0:c1])
         if gb is not None:
             gb[c0:c1] += lc.sum(0, dtype=torch.float32)
 
@@ -578,7 +578,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     The mean is over non-ignored targets, or the sum divided by `num_items_in_batch` when given
     (HF's convention under gradient accumulation). Returns an fp32 scalar. `chunk_mib` bounds the
     logits buffer(s); `schedule` is one of `SCHEDULES` (module docstring); `overlap` (default
-    `OVERLAP`) lets the row schedule use a second CUDA stream.
+    `OVERLAP`) lets grad_x run on a second CUDA stream.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"linear_cross_entropy: schedule {schedule!r} is not one of {SCHEDULES}")
