@@ -8,7 +8,7 @@ schedules (`schedule=`) walk the T x V logits in different blocks; all share the
 (cuBLAS, input dtype, fp32 accumulation) and row-wise Triton kernels that turn a block of logits
 into d(loss)/d(logits) in place.
 
-`"rows"` (the default): chunks of R whole rows (256 at vocab 128256, bf16). For each chunk:
+`"rows"`: chunks of R whole rows (256 at vocab 128256, bf16). For each chunk:
 
 1. logits = x_c @ W.T into the buffer;
 2. one Triton program per row computes the log-sum-exp online over vocabulary blocks, writes the
@@ -53,12 +53,15 @@ at three), against the row schedule's 6 plus its grad_W traffic: with 512 rows a
 does 256 FLOPs per byte of grad_W it reads and writes, above the H200's ~200 FLOP/B ridge, and there
 are half as many of them. grad_x is rounded once per slice, grad_W once per block (32 times at 16k).
 
-Measured (H200, bf16, 16k tokens, hidden 4096, fwd+bwd, benchmarks/results/s5/ops): "rows" 107.6 ms
-and "vocab" 107.0 at vocab 128256; 141.0 and 127.3 at vocab 151936 (Liger-Kernel 87.9 / 106.1 at
-125 / 150 MiB, Cut Cross-Entropy 90.7 / 104.5). The row schedule stays the default; neither beats
-Liger at this budget. A third schedule, two half-size row buffers so that one chunk's grad_W update
-ran beside the next chunk's GEMMs, was measured and removed: 178.8 ms, since halving the chunks
-doubles every pass over W and makes the logits and grad_x GEMMs memory-bound as well.
+Measured (H200, bf16, hidden 4096, fwd+bwd, benchmarks/results/s7/ops), ms at vocab 128256 / 151936
+within the 64 MiB budget: 4k tokens: tiles 25.2 / 33.0, rows 27.1 / 35.7, vocab 27.2 / 32.5; 16k: 105.0 /
+128.6, 107.6 / 141.1, 106.7 / 125.9; 64k: 424.1 / 525.0, 435.8 / 576.4, 504.0 / 592.0. The tiles schedule
+is the default: the fastest of the three in four of the six, within 2% in the other two. None beats the
+fastest baseline: at 16k Liger-Kernel takes 89.6 / 105.6 ms (126 / 149 MiB) and Cut Cross-Entropy 91.3 /
+105.5 (~2 MiB); 256 MiB row chunks take 83.5 / 99.4. At 64 MiB every schedule pays either GEMMs of a few
+hundred rows or recomputed logits. A schedule of two half-size row buffers, one chunk's grad_W update
+beside the next chunk's GEMMs, was measured and removed (s5/ops: 178.8 ms at 16k tokens, since halving the
+chunks doubles every pass over W).
 
 Options: logit softcapping `c·tanh(z/c)`, a z-loss `w·lse²`, Hugging Face's `num_items_in_batch`
 normaliser, and a bias. With every label ignored the loss is 0, not NaN.
@@ -81,7 +84,7 @@ CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 Mi
 CE_BLOCK = 8192  # vocabulary columns per step of the row kernels' online log-sum-exp
 OVERLAP = True  # default: a block's grad_x GEMM runs on a second CUDA stream beside its grad_W update
 SCHEDULES = ("rows", "vocab", "tiles")
-SCHEDULE = "rows"  # default: see the module docstring
+SCHEDULE = "tiles"  # default: see the module docstring
 TILE_ROWS = 512  # the tiles schedule's fewest rows per block: its grad_W update is then compute-bound
 
 
