@@ -38,8 +38,8 @@ class SlideConfig:
     grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
     use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
     loss_chunk_mib: the fused loss's logits buffer (MiB) with the kernels: 63 keeps the loss head's transient
-        memory under 64 MiB; more buys speed (64k tokens at vocab 128256 on the H200: 437 ms with 63, 332 ms
-        with 256; benchmarks/results/s6/ops).
+        memory under 64 MiB; more buys speed (64k tokens at vocab 128256 on the H200: 424 ms with 63, 334 ms
+        with 256 MiB of whole rows, the shape 256 gives; benchmarks/results/s7/ops).
     nvme_path: directory for the disk tier (offload="nvme"; default: the system temporary directory). The
         run's files go in a private directory there, removed when training ends (also after an error).
     nvme_moments: with offload="nvme", the fraction (0..1) of the Adam moments kept on disk (whole units, in
