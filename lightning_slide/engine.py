@@ -451,6 +451,9 @@ class SlideEngine:
                                "gradient accumulation must be known when fit starts (accumulate_grad_batches, or a "
                                "GradientAccumulationScheduler among the Trainer's callbacks).")
         storage = self.storages[unit]
+        sums = storage.grad_acc if self.needs_acc and unit not in self._window_units else None
+        if sums is not None:  # the window's first gradient lands in the sums: the last update has read them (its
+            self.adam.wait_applied(unit)  # forward waited for it already, so this returns at once)
         update = self._plan is not None and not self.deferred
         if update:
             self.adam.schedule(unit)
@@ -460,7 +463,7 @@ class SlideEngine:
         buffer.idle.clear()
         self._written.difference_update(id(p) for p in storage.params)
         dispatch = Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), self._plan,
-                            self.needs_acc, update, buffer.release)
+                            self.needs_acc, update, buffer.release, sums)
         if unit in self._held_back:
             self._held.append(dispatch)
         else:
@@ -600,12 +603,13 @@ class SlideEngine:
         """All gradients summed on the host: clip by the global norm, then update `units` (those that got a
         gradient in this window; AdamW skips the others) in forward order.
 
-        The norm comes with the window's last gradients (the optimizer thread measures each final sum); when they
-        came before the step was known (manual optimization) or that backward was skipped, `norm_of_sums`
-        measures the sums here instead.
+        The norm comes with the window's last gradients: a unit's only gradient of the window is measured on the
+        device by the copy thread, a sum of several by the optimizer thread; when they came before the step was
+        known (manual optimization) or that backward was skipped, `norm_of_sums` measures the sums here instead.
         """
         self.wait_drain_s += self._drain()
         if plan.clip_norm is not None:
+            plan.sq_norm += self.pump.sq_norm_on_device(plan)
             if norm_of_sums:
                 for u in units:
                     plan.add_sq_norm(self.storages[u].grad_acc)

@@ -42,6 +42,7 @@ class StepPlan:
     step_tensor: torch.Tensor = field(init=False)
     grad_scale: torch.Tensor | None = None  # 1 / clip coefficient, once the global norm is known
     sq_norm: float = 0.0
+    device_sq_norm: torch.Tensor | None = None  # the part measured where the gradients were (copy thread only)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +52,11 @@ class StepPlan:
         value = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         with self._lock:
             self.sq_norm += value
+
+    def add_sq_norm_on_device(self, grad: torch.Tensor) -> None:
+        """The same, left on the gradient's device: one reduction kernel instead of a pass over host memory."""
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self.device_sq_norm = sq if self.device_sq_norm is None else self.device_sq_norm.add_(sq)
 
 
 def snapshot(optimizer: Optimizer, step: int, clip_norm: float | None) -> StepPlan:
@@ -132,6 +138,7 @@ class GradChunk:
     accumulate: bool
     update: bool
     last: bool
+    landed: bool = False  # `grad` is the unit's sums already: the window's first gradient, copied there directly
 
 
 @dataclass
@@ -154,7 +161,6 @@ class LayerAdam:
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
-        self._acc_fresh = [True] * len(storages)
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     def schedule(self, unit: int) -> None:
@@ -182,7 +188,7 @@ class LayerAdam:
             return
         host_wait(item.ready)
         grad = item.grad
-        if item.accumulate:
+        if item.accumulate and not item.landed:
             grad = self._accumulate(item)
         if item.update:
             self._update(item.unit, item.plan, item.start, grad)
@@ -196,17 +202,12 @@ class LayerAdam:
         done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
+        """Add a later gradient of the window to the sums; measure them if they are final and clipped."""
         acc = self.storages[item.unit].grad_acc[item.start : item.start + item.grad.numel()]
-        if self._acc_fresh[item.unit]:
-            acc.copy_(item.grad)
-        else:
-            acc.add_(item.grad)
-        if item.last:
-            self._acc_fresh[item.unit] = False
+        acc.add_(item.grad)
         if item.plan is not None and item.plan.clip_norm is not None:
             item.plan.add_sq_norm(acc)
         return acc
 
     def _finish(self, unit: int) -> None:
-        self._acc_fresh[unit] = True
         self.applied[unit] += 1

@@ -255,7 +255,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
                     Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * width * chunk,
                           "a smaller chunk_elems")]
     if setup.training and setup.grad_sums:
-        entries.append(Entry("fp32 gradient sums", "ram", 4 * t,
+        entries.append(Entry("fp32 gradient sums", setup.pinned, 4 * t,
                             "accumulate_grad_batches=1, no gradient clipping and automatic optimization"))
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))

@@ -74,6 +74,7 @@ class UnitStorage:
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.shadow: torch.Tensor | None = None
         self.grad_acc: torch.Tensor | None = None
+        self.acc_pinned = False
 
     def _adopt(self, params: list[nn.Parameter], master: torch.Tensor) -> torch.Tensor:
         """Copy parameters into one buffer and repoint them at it; frees each original as it goes.
@@ -103,8 +104,10 @@ class UnitStorage:
         self.shadow.copy_(self.master)
 
     def add_grad_accumulator(self) -> None:
-        """fp32 gradient sums for accumulation windows and global-norm clipping (+4 B/param of RAM)."""
+        """fp32 gradient sums for accumulation windows and global-norm clipping (+4 B/param of RAM), pinned on
+        CUDA: a window's first gradient is copied straight into them, without a pass over host memory."""
         self.grad_acc = torch.empty(self.trainable_numel)
+        self.acc_pinned = pin_(self.grad_acc)
 
     def add_moments(self) -> None:
         self.exp_avg = torch.zeros(self.trainable_numel)
@@ -114,7 +117,10 @@ class UnitStorage:
         self.max_exp_avg_sq = torch.zeros(self.trainable_numel)
 
     def release(self) -> None:
-        """Unpin the master; parameters stay valid views of (now pageable) host memory."""
+        """Unpin the master and the sums; parameters stay valid views of (now pageable) host memory."""
         if self.pinned:
             unpin_(self.master)
             self.pinned = False
+        if self.acc_pinned:
+            unpin_(self.grad_acc)
+            self.acc_pinned = False

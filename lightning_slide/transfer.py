@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from lightning_slide.layer_adam import GradChunk, LayerAdam, StepPlan
-from lightning_slide.streams import Lane
+from lightning_slide.streams import Lane, host_wait
 from lightning_slide.threads import Failure, Worker
 
 
@@ -55,6 +55,7 @@ class Dispatch:
     accumulate: bool
     update: bool
     done: object  # callable(event): the slot's gradient buffer may be reused after `event`
+    sums: torch.Tensor | None = None  # the unit's fp32 sums, when this is the window's first gradient: it lands there
 
 
 class GradPump:
@@ -77,21 +78,41 @@ class GradPump:
         self.worker.put(item)
 
     def _handle(self, item: Dispatch) -> None:
+        """Send the gradient out in chunks: into landing buffers, or, as a window's first gradient, straight into
+        the unit's sums (pinned on CUDA), measuring its norm on the device first when the step clips."""
         n, step = item.grads.numel(), self.ring.elems
         with self.d2h():
             self.d2h.wait(item.ready)
+            if item.sums is not None and item.plan is not None and item.plan.clip_norm is not None:
+                item.plan.add_sq_norm_on_device(item.grads)
             for start in range(0, n, step):
                 end = min(start + step, n)
-                i = self.ring.acquire()
-                landing = self.ring.buffers[i][: end - start]
+                if item.sums is None:
+                    i = self.ring.acquire()
+                    landing, event, release = self.ring.buffers[i][: end - start], self.ring.events[i], partial(
+                        self.ring.release, i)
+                else:
+                    landing, event, release = item.sums[start:end], None, _keep
                 source = item.grads[start:end]
                 if self.widen is not None:
                     source = self.widen[: end - start].copy_(source)
                 landing.copy_(source, non_blocking=True)
-                event = self.d2h.record(self.ring.events[i])
-                self.adam.put(
-                    GradChunk(item.unit, start, landing, event, partial(self.ring.release, i), item.plan,
-                              item.accumulate, item.update, last=end == n)
-                )
+                event = self.d2h.record(event)
+                self.adam.put(GradChunk(item.unit, start, landing, event, release, item.plan, item.accumulate,
+                                        item.update, last=end == n, landed=item.sums is not None))
             item.done(self.d2h.record())
         self.bytes += n * 4
+
+    def sq_norm_on_device(self, plan: StepPlan) -> float:
+        """What this thread measured of `plan`'s squared norm on the device; call once the thread is idle."""
+        if plan.device_sq_norm is None:
+            return 0.0
+        with self.d2h():
+            value = plan.device_sq_norm.to("cpu", non_blocking=True)
+            event = self.d2h.record()
+        host_wait(event)
+        return float(value)
+
+
+def _keep() -> None:
+    """A chunk that landed in the sums has no landing buffer to give back."""

@@ -12,12 +12,15 @@ pytestmark = pytest.mark.gpu
 STEPS = 5
 
 
-def test_fp32_on_cuda_matches_adamw_without_kernels():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_fp32_on_cuda_matches_adamw_without_kernels(accumulate):
+    """With clipping: a window's first gradient lands in the pinned sums (accumulate=1: measured on the GPU)."""
     from lightning_slide import SlideStrategy
 
-    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS * 2)
-    expected = reference(model, batches, STEPS, accumulate=2, clip=0.5, device="cuda")
-    got = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, accumulate=2, clip=0.5, accelerator="gpu")
+    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS * accumulate)
+    expected = reference(model, batches, STEPS, accumulate=accumulate, clip=0.05, device="cuda")
+    got = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, accumulate=accumulate, clip=0.05,
+              accelerator="gpu")
     assert relative_difference(expected, got.model) <= 1e-5
 
 
@@ -127,13 +130,13 @@ def test_micro_batches_of_changing_size_give_the_parameters_of_a_fixed_window_th
     assert all(torch.equal(p, q) for p, q in zip(fixed.model.parameters(), adaptive.model.parameters()))
 
 
-def test_master_weights_are_pinned_and_unpinned_at_close():
+def test_master_weights_and_gradient_sums_are_pinned_and_unpinned_at_close():
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cuda"),
-                         torch.bfloat16)
-    assert all(s.pinned for s in engine.storages)
+                         torch.bfloat16, clip_norm=1.0)
+    assert all(s.pinned and s.acc_pinned for s in engine.storages)
     engine.close()
-    assert not any(s.pinned for s in engine.storages)
+    assert not any(s.pinned or s.acc_pinned for s in engine.storages)
 
 
 def test_the_fused_loss_takes_its_buffer_budget_from_the_config():

@@ -22,6 +22,15 @@ def test_fp32_matches_adamw_with_accumulation_clipping_and_schedule(arch):
     assert relative_difference(expected, got.model) <= 1e-6
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(chunk_elems=1024, grad_buffers=2)], ids=["default", "small-chunks"])
+def test_fp32_matches_adamw_with_clipping_and_one_backward_per_step(settings):
+    """Each gradient is its unit's whole sum: it lands in the sums directly and its norm is measured where it was."""
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS, clip=0.05)
+    got = fit(model, batches, SlideStrategy(**settings), STEPS, clip=0.05)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(slots=2), dict(slots="auto"), dict(activations="cpu"), dict(chunk_elems=1024, grad_buffers=2),
