@@ -452,8 +452,10 @@ class SlideEngine:
                                "GradientAccumulationScheduler among the Trainer's callbacks).")
         storage = self.storages[unit]
         sums = storage.grad_acc if self.needs_acc and unit not in self._window_units else None
-        if sums is not None:  # the window's first gradient lands in the sums: the last update has read them (its
-            self.adam.wait_applied(unit)  # forward waited for it already, so this returns at once)
+        if sums is not None:
+            # the window's first gradient lands in the sums, which the unit's last update must have read (its
+            # forward waited for that update, so this returns at once)
+            self.adam.wait_applied(unit)
         update = self._plan is not None and not self.deferred
         if update:
             self.adam.schedule(unit)

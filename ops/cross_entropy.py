@@ -411,26 +411,27 @@ class _GradXBeside:
 
     def __init__(self, x: torch.Tensor, o: _Options, gx, gw) -> None:
         on = o.overlap and x.is_cuda and gx is not None and gw is not None
+        self.device = x.device
         self.stream = _side_stream(x.device) if on else None
         self.read: torch.cuda.Event | None = None
 
     def before_write(self) -> None:
         if self.read is not None:
-            torch.cuda.current_stream().wait_event(self.read)
+            torch.cuda.current_stream(self.device).wait_event(self.read)
 
     @contextmanager
     def grad_x(self) -> Iterator[None]:
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
         self.read = self.stream.record_event()
 
     def join(self) -> None:
         if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 def _row_chunks(x, w, b, y, inv, o: _Options, loss_rows, gx, gw, gb) -> None:
