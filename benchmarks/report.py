@@ -176,17 +176,20 @@ def _ending(ladder: dict) -> str:
 
 def waits_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step: how busy the optimizer and copy threads were, how long the training
-    thread waited for a free gradient buffer and for updates, and the units whose updates it waited for most."""
+    thread waited for a free gradient buffer and for updates, the units whose updates it waited for most, and
+    the optimizer thread's own time on those units (a wait longer than that was spent on other work first)."""
     rows = []
     for r in records:
         engine = r.get("engine_per_step") or {}
         if not r["ok"] or "wait_update_s" not in engine:
             continue
         units = sorted((engine.get("wait_update_by_unit_s") or {}).items(), key=lambda kv: -kv[1])[:3]
+        work = engine.get("update_work_by_unit_s") or {}
         rows.append([r["case"], engine.get("update_busy_s"), engine.get("copy_busy_s"), engine.get("wait_grads_s"),
-                     engine["wait_update_s"], ", ".join(f"{name} {s:.3f}" for name, s in units) or "-"])
+                     engine["wait_update_s"], ", ".join(f"{name} {s:.3f}" for name, s in units) or "-",
+                     ", ".join(f"{name} {work[name]:.3f}" for name, _ in units if name in work) or "-"])
     header = ["case", "update busy s", "copies busy s", "waited for a gradient buffer s", "waited for updates s",
-              "updates waited for most (s)"]
+              "updates waited for most (s)", "optimizer thread's time on them (s)"]
     return _table(header, rows) if rows else ""
 
 

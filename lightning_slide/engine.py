@@ -661,7 +661,8 @@ class SlideEngine:
 
     def stats(self) -> dict[str, object]:
         """Cumulative transfer and overlap figures (bytes moved, thread busy time, exposed waits; the wait for
-        updates also per unit, by name, which says what a step boundary waits for)."""
+        updates also per unit, by name, which says what a step boundary waits for, and beside it the optimizer
+        thread's own time per unit, which says how much of that wait was the unit's update itself)."""
         return {
             "steps": self._step,
             "h2d_bytes": self.window.bytes + self.activations.bytes_in,
@@ -670,6 +671,7 @@ class SlideEngine:
             "copy_busy_s": self.pump.worker.busy_s if self.pump else 0.0,
             "wait_update_s": sum(self.window.waits),
             "wait_update_by_unit_s": {s.name: w for s, w in zip(self.storages, self.window.waits) if w},
+            "update_work_by_unit_s": {s.name: w for s, w in zip(self.storages, self.adam.work_s) if w},
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
             "kept_graphs": self.graphs.kept,

@@ -9,7 +9,10 @@ steps the LR scheduler while this thread may still be updating that step's units
 from __future__ import annotations
 
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch.optim import Adam, AdamW, Optimizer
@@ -161,6 +164,7 @@ class LayerAdam:
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
+        self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     def schedule(self, unit: int) -> None:
@@ -181,20 +185,31 @@ class LayerAdam:
 
     def _handle(self, item: GradChunk | DeferredUpdate) -> None:
         if isinstance(item, DeferredUpdate):
-            acc = self.storages[item.unit].grad_acc
-            for start, n in self.moments.spans(item.unit):
-                self._update(item.unit, item.plan, start, acc[start : start + n])
+            with self._working_on(item.unit):
+                acc = self.storages[item.unit].grad_acc
+                for start, n in self.moments.spans(item.unit):
+                    self._update(item.unit, item.plan, start, acc[start : start + n])
             self._finish(item.unit)
             return
         host_wait(item.ready)
-        grad = item.grad
-        if item.accumulate and not item.landed:
-            grad = self._accumulate(item)
-        if item.update:
-            self._update(item.unit, item.plan, item.start, grad)
+        with self._working_on(item.unit):
+            grad = item.grad
+            if item.accumulate and not item.landed:
+                grad = self._accumulate(item)
+            if item.update:
+                self._update(item.unit, item.plan, item.start, grad)
         item.release()
         if item.update and item.last:
             self._finish(item.unit)
+
+    @contextmanager
+    def _working_on(self, unit: int) -> Iterator[None]:
+        """Count the block's time against `unit` (the wait for its gradient's copy is not counted)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.work_s[unit] += time.perf_counter() - start
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
         state, done = self.moments.open(unit, start, grad.numel())

@@ -45,7 +45,8 @@ def _run_records() -> list[dict]:
     """A made-up run: probe, 8B ceiling, 8B mb8 and mb64 slide with engine stats and a profile."""
     stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0, "wait_update_s": 0.0},
              "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9, "wait_update_s": 5.0,
-                     "wait_update_by_unit_s": {"embed": 3.0, "block.0": 2.0}}}
+                     "wait_update_by_unit_s": {"embed": 3.0, "block.0": 2.0},
+                     "update_work_by_unit_s": {"embed": 1.5, "block.0": 1.0, "block.1": 0.9}}}
     idle = idle_per_step(read_trace(_trace()))
     return [
         _record("probe", adam={"params_per_s": 4e9, "params": 5e8, "threads": 16, "step_s": 0.125},
@@ -142,7 +143,7 @@ def test_report_writes_summary_plots_ladders_and_per_case_json(tmp_path) -> None
     summary = (tmp_path / "summary.md").read_text()
     assert "| llama3_8b-mb8-cap24-slide-cpu |" in summary and "cpu, slots=auto" in summary
     assert "96 failed (step): killed by SIGKILL" in summary and (tmp_path / "bounds.png").exists()
-    assert "| 0.5 | embed 0.300, block.0 0.200 |" in summary
+    assert "| 0.5 | embed 0.300, block.0 0.200 | embed 0.150, block.0 0.100 |" in summary
     report.copy_results(tmp_path, tmp_path / "results", records)
     assert json.loads((tmp_path / "results" / "probe.json").read_text())["ok"]
 

@@ -128,3 +128,19 @@ def test_a_load_that_waits_for_an_update_is_counted_against_that_unit():
     assert list(stats["wait_update_by_unit_s"]) == [engine.storages[2].name]
     assert stats["wait_update_by_unit_s"][engine.storages[2].name] == stats["wait_update_s"] >= 0.04
     engine.close()
+
+
+def test_the_optimizer_threads_time_is_counted_against_each_unit_it_updates():
+    model = tiny_model("llama", num_hidden_layers=4)
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(), torch.device("cpu"),
+                         torch.float32)
+    x = token_batches(1)[0]
+    engine.new_micro_batch()
+    engine.begin_step()
+    model(input_ids=x, labels=x).loss.backward()
+    engine.end_step()
+    engine.synchronize()
+    work = engine.stats()["update_work_by_unit_s"]
+    assert sorted(work) == sorted(s.name for s in engine.storages if s.trainable_numel)
+    assert all(t > 0 for t in work.values()) and sum(work.values()) <= engine.stats()["update_busy_s"]
+    engine.close()
