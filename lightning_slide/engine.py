@@ -451,7 +451,8 @@ class SlideEngine:
                                "gradient accumulation must be known when fit starts (accumulate_grad_batches, or a "
                                "GradientAccumulationScheduler among the Trainer's callbacks).")
         storage = self.storages[unit]
-        sums = storage.grad_acc if self.needs_acc and unit not in self._window_units else None
+        first = self.needs_acc and unit not in self._window_units
+        sums = storage.grad_acc if first and self._lands_in_sums(storage) else None
         if sums is not None:
             # the window's first gradient lands in the sums, which the unit's last update must have read (its
             # forward waited for that update, so this returns at once)
@@ -465,7 +466,7 @@ class SlideEngine:
         buffer.idle.clear()
         self._written.difference_update(id(p) for p in storage.params)
         dispatch = Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), self._plan,
-                            self.needs_acc, update, buffer.release, sums)
+                            self.needs_acc, update, buffer.release, first, sums)
         if unit in self._held_back:
             self._held.append(dispatch)
         else:
@@ -473,6 +474,10 @@ class SlideEngine:
         if not any(self._pending):  # the backward's last gradient
             self._check_planned_reads()
             self._release_held()
+
+    def _lands_in_sums(self, storage: UnitStorage) -> bool:
+        """A copy from the GPU goes straight into the sums only where they are pinned (else it would stall)."""
+        return storage.acc_pinned or self.device.type != "cuda"
 
     def _check_planned_reads(self) -> None:
         """Updates during the backward read their disk state in an order planned when the step began (reads run
@@ -606,7 +611,7 @@ class SlideEngine:
         gradient in this window; AdamW skips the others) in forward order.
 
         The norm comes with the window's last gradients: a unit's only gradient of the window is measured on the
-        device by the copy thread, a sum of several by the optimizer thread; when they came before the step was
+        device by the copy thread, a sum of several by the optimizer thread as it adds the last; when they came before the step was
         known (manual optimization) or that backward was skipped, `norm_of_sums` measures the sums here instead.
         """
         self.wait_drain_s += self._drain()

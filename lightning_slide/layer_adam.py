@@ -141,7 +141,8 @@ class GradChunk:
     accumulate: bool
     update: bool
     last: bool
-    landed: bool = False  # `grad` is the unit's sums already: the window's first gradient, copied there directly
+    first: bool = False  # the window's first gradient of the unit: it replaces the sums (its norm is measured)
+    landed: bool = False  # `grad` is the unit's sums already: a first gradient copied there directly
 
 
 @dataclass
@@ -217,8 +218,11 @@ class LayerAdam:
         done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
-        """Add a later gradient of the window to the sums; measure them if they are final and clipped."""
+        """Start the sums with the window's first gradient, or add a later one and measure the sums when they are
+        final and clipped (a first gradient's norm is measured on the device)."""
         acc = self.storages[item.unit].grad_acc[item.start : item.start + item.grad.numel()]
+        if item.first:
+            return acc.copy_(item.grad)
         acc.add_(item.grad)
         if item.plan is not None and item.plan.clip_norm is not None:
             item.plan.add_sq_norm(acc)

@@ -55,7 +55,8 @@ class Dispatch:
     accumulate: bool
     update: bool
     done: object  # callable(event): the slot's gradient buffer may be reused after `event`
-    sums: torch.Tensor | None = None  # the unit's fp32 sums, when this is the window's first gradient: it lands there
+    first: bool = False  # the window's first gradient of the unit: it replaces the sums
+    sums: torch.Tensor | None = None  # the unit's fp32 sums, when a first gradient can land there directly
 
 
 class GradPump:
@@ -79,11 +80,12 @@ class GradPump:
 
     def _handle(self, item: Dispatch) -> None:
         """Send the gradient out in chunks: into landing buffers, or, as a window's first gradient, straight into
-        the unit's sums (pinned on CUDA), measuring its norm on the device first when the step clips."""
+        the unit's pinned sums. A first gradient that ends its window is the unit's whole sum: when the step
+        clips, its norm is measured here, on the device."""
         n, step = item.grads.numel(), self.ring.elems
         with self.d2h():
             self.d2h.wait(item.ready)
-            if item.sums is not None and item.plan is not None and item.plan.clip_norm is not None:
+            if item.first and item.plan is not None and item.plan.clip_norm is not None:
                 item.plan.add_sq_norm_on_device(item.grads)
             for start in range(0, n, step):
                 end = min(start + step, n)
@@ -99,7 +101,7 @@ class GradPump:
                 landing.copy_(source, non_blocking=True)
                 event = self.d2h.record(event)
                 self.adam.put(GradChunk(item.unit, start, landing, event, release, item.plan, item.accumulate,
-                                        item.update, last=end == n, landed=item.sums is not None))
+                                        item.update, last=end == n, first=item.first, landed=item.sums is not None))
             item.done(self.d2h.record())
         self.bytes += n * 4
 

@@ -31,6 +31,18 @@ def test_fp32_matches_adamw_with_clipping_and_one_backward_per_step(settings):
     assert relative_difference(expected, got.model) <= 1e-6
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_and_accumulation_match_adamw_when_the_sums_could_not_be_pinned(accumulate, monkeypatch):
+    """Then a window's first gradient goes through the landing buffers and the optimizer thread copies it in."""
+    from lightning_slide.engine import SlideEngine
+
+    monkeypatch.setattr(SlideEngine, "_lands_in_sums", lambda self, storage: False)
+    model, batches = tiny_model("llama"), token_batches(STEPS * accumulate)
+    expected = reference(model, batches, STEPS, accumulate=accumulate, clip=0.05)
+    got = fit(model, batches, "slideformer", STEPS, accumulate=accumulate, clip=0.05)
+    assert relative_difference(expected, got.model) <= 1e-6
+
+
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(slots=2), dict(slots="auto"), dict(activations="cpu"), dict(chunk_elems=1024, grad_buffers=2),
