@@ -611,8 +611,9 @@ class SlideEngine:
         gradient in this window; AdamW skips the others) in forward order.
 
         The norm comes with the window's last gradients: a unit's only gradient of the window is measured on the
-        device by the copy thread, a sum of several by the optimizer thread as it adds the last; when they came before the step was
-        known (manual optimization) or that backward was skipped, `norm_of_sums` measures the sums here instead.
+        device by the copy thread, a sum of several by the optimizer thread as it adds the last; when they came
+        before the step was known (manual optimization) or that backward was skipped, `norm_of_sums` measures the
+        sums here instead.
         """
         self.wait_drain_s += self._drain()
         if plan.clip_norm is not None:
