@@ -27,8 +27,10 @@ case "${1:-check}" in
   ops)
     timeout "${OPS_TIMEOUT:-300}" python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" \
       ${ONLY:+--only "$ONLY"} ${TOKENS:+--tokens "$TOKENS"} ${NO_COMPILE:+--no-compile} 2>&1 | tee "$OUT/bench_ops.log" | tail -40
-    # at most 8 files come back from the GPU machine: one JSON-lines file and the plot
+    # at most 8 files come back from the GPU machine: one JSON-lines file and the plot (drawn again from what
+    # finished, in case the time limit stopped the run before it drew its own)
     python3 -c "import json,glob; print('\n'.join(json.dumps(json.load(open(f))) for f in sorted(glob.glob('/tmp/ops/*.json'))))" > "$OUT/ops_results.jsonl"
+    python3 benchmarks/bench_ops.py --plot /tmp/ops >/dev/null 2>&1
     cp /tmp/ops/*.png "$OUT/" 2>/dev/null
     ;;
   capacity)
