@@ -49,12 +49,13 @@ def test_moments_on_disk_give_the_same_parameters_as_the_ram_tier(io_backend, tm
     assert _same_parameters(in_ram.model, on_disk.model)
 
 
-def test_deferred_updates_with_part_of_the_moments_on_disk_match_the_ram_tier(io_backend, tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_deferred_updates_with_part_of_the_moments_on_disk_match_the_ram_tier(accumulate, io_backend, tmp_path):
     """Clipping defers updates to forward order: the read-ahead order follows."""
-    model, batches = tiny_model("llama"), token_batches(STEPS * 2)
-    in_ram = fit(model, batches, "slideformer", STEPS, accumulate=2, clip=0.5)
+    model, batches = tiny_model("llama"), token_batches(STEPS * accumulate)
+    in_ram = fit(model, batches, "slideformer", STEPS, accumulate=accumulate, clip=0.5)
     on_disk = fit(model, batches, SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.5),
-                  STEPS, accumulate=2, clip=0.5)
+                  STEPS, accumulate=accumulate, clip=0.5)
     assert _same_parameters(in_ram.model, on_disk.model)
 
 
