@@ -297,7 +297,7 @@ class SlideEngine:
         self._receiving: dict[int, GradBuffer] = {}
         self._plan: StepPlan | None = None
         self._window_units: set[int] = set()  # units that got a gradient since the last optimizer step
-        self._norms_measured = False  # the optimizer thread measured the final sums (they came under a plan)
+        self._norms_measured = False  # the final sums were measured as they came (they came under a plan)
         self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
         self._step = 0
         self._adapted = False

@@ -91,10 +91,10 @@ class GradPump:
                 end = min(start + step, n)
                 if item.sums is None:
                     i = self.ring.acquire()
-                    landing, event, release = self.ring.buffers[i][: end - start], self.ring.events[i], partial(
-                        self.ring.release, i)
+                    landing, event, release = self.ring.buffers[i], self.ring.events[i], partial(self.ring.release, i)
                 else:
-                    landing, event, release = item.sums[start:end], None, _keep
+                    landing, event, release = item.sums[start:], None, _keep
+                landing = landing[: end - start]
                 source = item.grads[start:end]
                 if self.widen is not None:
                     source = self.widen[: end - start].copy_(source)
