@@ -8,9 +8,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
 from lightning_slide.precision import SlidePrecision
+from lightning_slide.step_mode import StepMode
 from lightning_slide.strategy import SlideStrategy
 
 if SlideStrategy.strategy_name not in StrategyRegistry:
     SlideStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SlideConfig", "SlideEngine", "SlidePrecision", "SlideStrategy"]
+__all__ = ["SlideConfig", "SlideEngine", "SlidePrecision", "SlideStrategy", "StepMode"]

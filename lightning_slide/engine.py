@@ -36,6 +36,7 @@ from lightning_slide.graphs import GraphBudget, SlotViews
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units, unit_file
+from lightning_slide.step_mode import StepMode
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
@@ -231,9 +232,8 @@ class SlideEngine:
         config: the window, tier and chunking settings.
         device: the compute device (CUDA, or the CPU fallback).
         dtype: the dtype weights are computed in (bf16 for bf16 precisions, fp32 for 32-true).
-        clip_norm: global gradient-norm clipping threshold, or None (`clip_next` sets it for one step).
-        accumulate: gradients of several backwards are summed before an update (needs host sums).
-        deferred: updates wait for `end_step` (manual optimization: backward runs before the step is known).
+        mode: how steps meet their gradients (eager, accumulating, deferred; the clipping threshold), decided
+            once for the fit (`step_mode.py`); `clip_next` clips a single step of manual optimization.
     """
 
     def __init__(
@@ -243,17 +243,15 @@ class SlideEngine:
         config: SlideConfig,
         device: torch.device,
         dtype: torch.dtype,
-        clip_norm: float | None = None,
-        accumulate: bool = False,
-        deferred: bool = False,
+        mode: StepMode = StepMode(),
     ) -> None:
         if device.type == "cuda" and device.index is None:  # memory queries need the index
             device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
         self.failure = Failure()
-        self.clip_norm, self._clip_once = clip_norm, None
-        self.deferred = deferred or clip_norm is not None
-        self.needs_acc = accumulate or self.deferred
+        self.mode, self.clip_norm, self._clip_once = mode, mode.clip_norm, None
+        self.deferred = mode.deferred
+        self.needs_acc = mode.holds_grads
         self.model = find_causal_lm(root)
         _check_all_parameters_inside(root, self.model)
         self._optimized = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
@@ -359,7 +357,7 @@ class SlideEngine:
             if s.on_disk or (self.config.h2d_source == "shadow" and self.dtype != torch.float32):
                 s.add_shadow(self.dtype)
             if self.needs_acc and optimizer is not None:
-                s.add_grad_accumulator()
+                s.add_grad_accumulator(self.mode.held_dtype(self.dtype))
             if amsgrad:
                 s.add_amsgrad_state()
 
@@ -452,6 +450,11 @@ class SlideEngine:
                                "GradientAccumulationScheduler among the Trainer's callbacks).")
         storage = self.storages[unit]
         first = self.needs_acc and unit not in self._window_units
+        if self.needs_acc and not first and not self.mode.sums:
+            raise RuntimeError(
+                f"Unit {storage.name} got a second gradient before its optimizer step, but this fit holds one "
+                "gradient per unit and step (no accumulation was announced): set accumulate_grad_batches > 1 "
+                "(or a GradientAccumulationScheduler) when fit starts to sum several backwards.")
         sums = storage.grad_acc if first and self._lands_in_sums(storage) else None
         if sums is not None:
             # the window's first gradient lands in the sums, which the unit's last update must have read (its

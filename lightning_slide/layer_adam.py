@@ -22,6 +22,8 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
 
+WIDEN_ELEMS = 1 << 20  # a low-precision gradient reaches AdamW in fp32 pieces of 4 MiB, which stay in cache
+
 
 @dataclass(frozen=True)
 class GroupHyper:
@@ -166,6 +168,7 @@ class LayerAdam:
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
+        self._wide: torch.Tensor | None = None  # fp32 pieces of gradients held in the compute dtype
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     def schedule(self, unit: int) -> None:
@@ -214,8 +217,22 @@ class LayerAdam:
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
         state, done = self.moments.open(unit, start, grad.numel())
-        adam_(self.storages[unit], plan, start, grad, *state)
+        if grad.dtype == torch.float32:
+            adam_(self.storages[unit], plan, start, grad, *state)
+        else:  # a gradient held in the compute dtype: torch's fused AdamW takes fp32 grads for fp32 weights
+            self._widened_adam(unit, plan, start, grad, state)
         done()
+
+    def _widened_adam(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor,
+                      state: list[torch.Tensor]) -> None:
+        """AdamW over a low-precision gradient, widened to fp32 one cache-sized piece at a time: the widened
+        copy is read back from the CPU's cache, so host memory sees only the low-precision read."""
+        if self._wide is None:
+            self._wide = torch.empty(WIDEN_ELEMS)
+        for a in range(0, grad.numel(), WIDEN_ELEMS):
+            b = min(a + WIDEN_ELEMS, grad.numel())
+            wide = self._wide[: b - a].copy_(grad[a:b])
+            adam_(self.storages[unit], plan, start + a, wide, *(t[a:b] for t in state))
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
         """Start the sums with the window's first gradient, or add a later one and measure the sums when they are

@@ -20,6 +20,7 @@ from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
+from lightning_slide.step_mode import StepMode
 from lightning_slide.tiers import align, direct_io
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
@@ -112,7 +113,7 @@ class Setup:
     device: str = "cuda"  # the compute device type: "cuda", or "cpu" (slots then live in host RAM)
     dtype: torch.dtype = torch.bfloat16  # compute dtype: bf16 for bf16 precisions, fp32 for "32-true"
     training: bool = True  # an optimizer exists (fit); False for validate/predict
-    grad_sums: bool = False  # accumulate_grad_batches > 1, gradient clipping or manual optimization
+    mode: StepMode = StepMode()  # eager, accumulating or deferred: whether and how gradients wait on the host
     amsgrad: bool = False
 
     @property
@@ -254,9 +255,13 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
                                                          for u in on_disk), "a smaller nvme_moments"),
                     Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * width * chunk,
                           "a smaller chunk_elems")]
-    if setup.training and setup.grad_sums:
-        entries.append(Entry("fp32 gradient sums", setup.pinned, 4 * t,
-                            "accumulate_grad_batches=1, no gradient clipping and automatic optimization"))
+    held = setup.mode.held_dtype(setup.dtype) if setup.training else None
+    if held is not None:
+        size = torch.empty(0, dtype=held).element_size()
+        what = "fp32 gradient sums" if setup.mode.sums else f"held gradients ({_dtype_name(held)}, for the step's norm)"
+        remedy = ("accumulate_grad_batches=1 and automatic optimization" if setup.mode.sums
+                  else "gradient_clip_val=None (no clipping)")
+        entries.append(Entry(what, setup.pinned, size * t, remedy))
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))
     shadowed = n if setup.config.h2d_source == "shadow" and setup.low_precision else master_on_disk
@@ -264,6 +269,10 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
                              setup.compute_bytes * shadowed, "h2d_source='master'" if shadowed == n else ""))
     return entries
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:

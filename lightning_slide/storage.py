@@ -103,10 +103,11 @@ class UnitStorage:
         self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         self.shadow.copy_(self.master)
 
-    def add_grad_accumulator(self) -> None:
-        """fp32 gradient sums for accumulation windows and global-norm clipping (+4 B/param of RAM), pinned on
-        CUDA: a window's first gradient is copied straight into them, without a pass over host memory."""
-        self.grad_acc = torch.empty(self.trainable_numel)
+    def add_grad_accumulator(self, dtype: torch.dtype = torch.float32) -> None:
+        """The gradients a step holds until its updates run: fp32 sums for accumulation windows (+4 B/param of
+        RAM), or a deferred step's single gradient in the dtype it was computed in (+2 B/param under bf16).
+        Pinned on CUDA: a window's first gradient is copied straight in, without a pass over host memory."""
+        self.grad_acc = torch.empty(self.trainable_numel, dtype=dtype)
         self.acc_pinned = pin_(self.grad_acc)
 
     def add_moments(self) -> None:

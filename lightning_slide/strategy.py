@@ -34,6 +34,7 @@ from lightning_slide.engine import SlideEngine
 from lightning_slide.materialize import meta_parameters
 from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
+from lightning_slide.step_mode import StepMode
 from lightning_slide.tiers import backend_name, direct_io
 
 
@@ -153,6 +154,8 @@ class SlideStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         optimizer = self.optimizers[0] if fitting else None
+        self.mode = StepMode(self._accumulates(trainer), self._clip_norm(trainer), not module.automatic_optimization)
+        rank_zero_info(f"slideformer steps: {self.mode.describe()}")
         self._plan_memory(trainer, module, optimizer, precision.compute_dtype)
         self.engine = SlideEngine(
             module,
@@ -160,9 +163,7 @@ class SlideStrategy(SingleDeviceStrategy):
             self.config,
             self.root_device,
             precision.compute_dtype,
-            clip_norm=self._clip_norm(trainer),
-            accumulate=self._accumulates(trainer),
-            deferred=not module.automatic_optimization,
+            self.mode,
         )
         precision.engine, precision.automatic = self.engine, module.automatic_optimization
         self.setup_precision_plugin()
@@ -170,9 +171,7 @@ class SlideStrategy(SingleDeviceStrategy):
     def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any, dtype: torch.dtype) -> None:
         """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
         setup = Setup(
-            self.config, self.root_device.type, dtype, training=optimizer is not None,
-            grad_sums=self._accumulates(trainer) or bool(self._clip_norm(trainer))
-            or not module.automatic_optimization,
+            self.config, self.root_device.type, dtype, training=optimizer is not None, mode=self.mode,
             amsgrad=optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups),
         )
         shape, self.plan = plan_for_run(module, optimizer, setup)

@@ -62,8 +62,9 @@ class Dispatch:
 class GradPump:
     """The copy thread: chunks each dispatched gradient through the landing ring to Layer-Adam.
 
-    Low-precision gradients are widened to fp32 on the device, one chunk at a time, on their way out: the
-    CPU optimizer reads fp32 without a conversion pass over host memory, and GPU slots stay half the size.
+    Low-precision gradients bound for the landing ring are widened to fp32 on the device, one chunk at a time,
+    on their way out: the CPU optimizer reads fp32 without a conversion pass over host memory, and GPU slots
+    stay half the size. A gradient that a deferred step holds as it came goes out in its own dtype.
     Sending bf16 and widening on the CPU halves the PCIe bytes but was slower in all three runs that tried it
     (8B at 8x1024 on the H200 machine: benchmarks/results/s4/b, s4/c and s6/d, the last with cache-sized
     pieces): the CPU's conversion costs more host time than the halved reads save.
@@ -96,14 +97,14 @@ class GradPump:
                     landing, event, release = item.sums[start:], None, _keep
                 landing = landing[: end - start]
                 source = item.grads[start:end]
-                if self.widen is not None:
+                if self.widen is not None and landing.dtype != source.dtype:
                     source = self.widen[: end - start].copy_(source)
                 landing.copy_(source, non_blocking=True)
                 event = self.d2h.record(event)
                 self.adam.put(GradChunk(item.unit, start, landing, event, release, item.plan, item.accumulate,
                                         item.update, last=end == n, first=item.first, landed=item.sums is not None))
             item.done(self.d2h.record())
-        self.bytes += n * 4
+        self.bytes += n * (item.sums.element_size() if item.sums is not None else 4)
 
     def sq_norm_on_device(self, plan: StepPlan) -> float:
         """What this thread measured of `plan`'s squared norm on the device; call once the thread is idle."""

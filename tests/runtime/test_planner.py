@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 import lightning_slide.planner as planner
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import GiB, ModelShape, Plan, PlanError, Resources, Setup
+from lightning_slide.step_mode import StepMode
 from tests.runtime.helpers import SEQ, VOCAB, CausalLM, param_groups, tiny_model, token_batches, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +43,8 @@ def _engine_bytes(engine: SlideEngine) -> int:
     "arch, dtype, training, settings",
     [
         ("llama", torch.float32, True, {}),
-        ("qwen2-tied", torch.float32, True, {"grad_sums": True, "amsgrad": True}),
+        ("qwen2-tied", torch.float32, True, {"mode": StepMode(accumulates=True), "amsgrad": True}),
+        ("llama", torch.bfloat16, True, {"mode": StepMode(clip_norm=1.0)}),
         ("qwen3", torch.bfloat16, True, {"config": SlideConfig(h2d_source="shadow", chunk_elems=1024)}),
         ("llama", torch.float32, True, {"config": SlideConfig(block_grad_buffers=5)}),
         ("mistral", torch.float32, False, {}),
@@ -53,7 +55,7 @@ def test_static_plan_is_exactly_what_the_engine_allocates(arch, dtype, training,
     setup = Setup(**{"config": SlideConfig(), **settings}, device="cpu", dtype=dtype, training=training)
     optimizer = torch.optim.AdamW(param_groups(model), amsgrad=setup.amsgrad) if training else None
     _, plan = planner.plan_for_run(model, optimizer, setup)
-    engine = SlideEngine(model, optimizer, setup.config, torch.device("cpu"), dtype, accumulate=setup.grad_sums)
+    engine = SlideEngine(model, optimizer, setup.config, torch.device("cpu"), dtype, setup.mode)
     assert plan.total("ram") == _engine_bytes(engine)
     engine.close()
 
@@ -74,7 +76,8 @@ def _measure_in_this_process(case: dict) -> dict:
 
     config, dtype = SlideConfig(**case["slide"]), torch.float32
     shape = ModelShape.from_config(LlamaConfig(**SMALL))
-    setup = Setup(config, "cpu", dtype, grad_sums=case["accumulate"], amsgrad=case["amsgrad"])
+    mode = StepMode(accumulates=case["accumulate"])
+    setup = Setup(config, "cpu", dtype, mode=mode, amsgrad=case["amsgrad"])
     estimate = Plan.estimate(shape, setup, case["micro_batch"], case["seq_len"]).total("ram")
     x = torch.randint(0, SMALL["vocab_size"], (case["micro_batch"], case["seq_len"]))
     with open("/proc/self/clear_refs", "w") as f:
@@ -82,7 +85,7 @@ def _measure_in_this_process(case: dict) -> dict:
     base = psutil.Process().memory_info().rss
     model = LlamaForCausalLM(LlamaConfig(**SMALL))  # its weights become the master: inside the window
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters(), amsgrad=case["amsgrad"]), config,
-                         torch.device("cpu"), dtype, accumulate=case["accumulate"])
+                         torch.device("cpu"), dtype, mode)
     for _ in range(2):
         engine.new_micro_batch()
         engine.begin_step()
@@ -127,7 +130,7 @@ def _llama_8b() -> ModelShape:
 
 def test_an_8b_model_on_too_little_ram_is_refused_with_needed_available_and_what_to_change():
     shape = _llama_8b()
-    plan = Plan.estimate(shape, Setup(SlideConfig(), grad_sums=True), micro_batch=8, seq_len=1024)
+    plan = Plan.estimate(shape, Setup(SlideConfig(), mode=StepMode(accumulates=True)), micro_batch=8, seq_len=1024)
     with pytest.raises(PlanError) as caught:
         plan.check(Resources(ram=64 * GiB, gpu=24 * GiB))
     message = str(caught.value)
@@ -135,7 +138,7 @@ def test_an_8b_model_on_too_little_ram_is_refused_with_needed_available_and_what
     assert needed > 64
     assert f"host RAM: it needs {needed:.2f} GiB, 64.00 GiB available" in message
     assert "offload='nvme'" in message
-    assert "accumulate_grad_batches=1, no gradient clipping" in message
+    assert "accumulate_grad_batches=1 and automatic optimization" in message
 
 
 def test_too_many_tokens_on_the_gpu_are_refused_naming_activation_offload_and_micro_batch():
@@ -172,7 +175,7 @@ def test_memory_already_held_by_the_model_counts_as_available():
 
 
 def test_describe_lists_every_entry_and_each_location_total():
-    plan = Plan.estimate(_llama_8b(), Setup(SlideConfig(activations="cpu"), grad_sums=True), 8, 1024)
+    plan = Plan.estimate(_llama_8b(), Setup(SlideConfig(activations="cpu"), mode=StepMode(clip_norm=1.0)), 8, 1024)
     text = plan.describe()
     for e in plan.entries:
         assert f"{e.what}" in text and f"{e.bytes / GiB:.3f} GiB" in text

@@ -1,0 +1,51 @@
+"""A clipped step without accumulation holds each unit's gradient as it came (the compute dtype), not as fp32 sums."""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+import lightning_slide.layer_adam as layer_adam
+from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
+from tests.runtime.helpers import fit, tiny_model, token_batches
+
+STEPS = 4
+
+
+def test_held_low_precision_gradients_train_exactly_as_fp32_sums_of_the_same_gradients(monkeypatch):
+    """bf16 gradients widened to fp32 are the values fp32 sums would hold: the parameters are bit-equal, also
+    when a unit's gradient reaches AdamW in several widened pieces."""
+    monkeypatch.setattr(layer_adam, "WIDEN_ELEMS", 1000)
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    held = fit(model, batches, SlideStrategy(), STEPS, clip=0.05, precision="bf16-mixed")
+    # a scheduler that would accumulate from epoch 1000 on: every step of this fit keeps fp32 sums of one gradient
+    sums = fit(model, batches, SlideStrategy(), STEPS, clip=0.05, precision="bf16-mixed",
+               callbacks=[GradientAccumulationScheduler({0: 1, 1000: 2})])
+    assert all(torch.equal(p, q) for p, q in zip(held.model.parameters(), sums.model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "mode, dtype, held",
+    [(StepMode(clip_norm=1.0), torch.bfloat16, torch.bfloat16), (StepMode(clip_norm=1.0), torch.float32, torch.float32),
+     (StepMode(accumulates=True, clip_norm=1.0), torch.bfloat16, torch.float32),
+     (StepMode(manual=True), torch.bfloat16, torch.float32), (StepMode(), torch.bfloat16, None)],
+    ids=["clipped-bf16", "clipped-fp32", "accumulated", "manual", "eager"],
+)
+def test_gradients_are_held_in_the_compute_dtype_only_where_nothing_is_summed(mode, dtype, held):
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"), dtype, mode)
+    assert {None if s.grad_acc is None else s.grad_acc.dtype for s in engine.storages} == {held}
+    engine.close()
+
+
+def test_a_second_backward_before_a_step_that_holds_single_gradients_is_refused():
+    model, x = tiny_model("llama"), token_batches(1)[0]
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"),
+                         torch.bfloat16, StepMode(clip_norm=1.0))
+    engine.new_micro_batch()
+    engine.begin_step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=x, labels=x).loss.backward()
+        engine.new_micro_batch()
+        with pytest.raises(RuntimeError, match="second gradient before its optimizer step.*accumulate_grad_batches"):
+            model(input_ids=x, labels=x).loss.backward()
+    engine.close()
