@@ -13,8 +13,21 @@ import psutil
 import torch
 
 
+HEADROOM_FRACTION = 0.05  # of the machine's RAM, left free by every plan (at least HEADROOM_MIN)
+HEADROOM_MIN = 1 << 30
+
+
 def available_ram() -> int:
     return int(psutil.virtual_memory().available)
+
+
+def host_headroom() -> int:
+    """Host RAM a plan leaves to the rest of the machine: 5% of it (6.3 GiB of 126), at least 1 GiB."""
+    return max(HEADROOM_MIN, int(HEADROOM_FRACTION * psutil.virtual_memory().total))
+
+
+def process_rss() -> int:
+    return int(psutil.Process().memory_info().rss)
 
 
 def available_vram(device: torch.device) -> int:

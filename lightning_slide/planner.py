@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
-from lightning_slide.available import available_disk, available_ram, available_vram
+from lightning_slide.available import available_disk, available_ram, available_vram, host_headroom, process_rss
 from lightning_slide.config import SlideConfig
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.step_mode import StepMode
@@ -145,14 +145,18 @@ class Resources:
     gpu: int | None = None
     disk: int | None = None
     resident: int = 0  # host bytes the model's weights already hold: the engine copies them into the master
+    process: int = 0  # host bytes this process holds besides those weights (Python, libraries, CUDA runtime)
+    headroom: int = 0  # host RAM a plan must leave free (the page cache, the data loader, the rest of the system)
 
     @classmethod
     def probe(cls, device: torch.device, nvme_path: str | None = None, resident: int = 0) -> "Resources":
-        return cls(available_ram(), available_vram(device) if device.type == "cuda" else None,
-                   available_disk(nvme_path) if nvme_path else None, resident)
+        gpu = available_vram(device) if device.type == "cuda" else None  # first: it may start the CUDA runtime
+        disk = available_disk(nvme_path) if nvme_path else None
+        return cls(available_ram(), gpu, disk, resident, max(0, process_rss() - resident), host_headroom())
 
     def free(self, pool: str) -> int | None:
-        return {"host": self.ram + self.resident, "gpu": self.gpu, "disk": self.disk}[pool]
+        """What a plan may take from the pool: the host keeps `headroom` free."""
+        return {"host": self.ram + self.resident - self.headroom, "gpu": self.gpu, "disk": self.disk}[pool]
 
 
 # Host RAM and pinned memory come out of the same physical RAM; the check groups locations this way.
@@ -207,6 +211,11 @@ class Plan:
         lines += [f"  {'total':<{width}}  {w:<6}  {self.total(w) / GiB:9.3f} GiB" for w in LOCATIONS if self.total(w)]
         return "\n".join(lines)
 
+    def peak_rss(self, resources: Resources) -> int:
+        """The process's expected peak resident set: what the plan puts in host memory, plus what the process
+        held besides the model's weights when it was probed."""
+        return self.total(*_POOLS["host"]) + resources.process
+
     def check(self, resources: Resources) -> None:
         """Raise PlanError naming the first pool that overflows: needed, available, and what to change."""
         for pool, locations in _POOLS.items():
@@ -217,6 +226,8 @@ class Plan:
     def _refusal(self, pool: str, locations: tuple[str, ...], needed: int, free: int, resources: Resources) -> str:
         items = sorted((e for e in self.entries if e.where in locations), key=lambda e: -e.bytes)
         there = f"{free / GiB:.2f} GiB available"
+        if pool == "host" and resources.headroom:
+            there += f" after the {resources.headroom / GiB:.2f} GiB kept free for the rest of the system"
         if pool == "host" and resources.resident:
             there += (f" ({resources.ram / GiB:.2f} GiB free + {resources.resident / GiB:.2f} GiB the model's "
                       "weights already hold, which become the fp32 master)")
@@ -282,10 +293,11 @@ def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:
     return disk_units([u.trainable for u in shape.units], setup.config.nvme_moments or 0.0)
 
 
-def fit_moments(shape: ModelShape, setup: Setup, resources: Resources, headroom: float = 0.1) -> float:
-    """The least fraction of the moments on disk (whole units) that leaves `headroom` of the host RAM free."""
+def fit_moments(shape: ModelShape, setup: Setup, resources: Resources, reserved: int = 0) -> float:
+    """The least fraction of the moments on disk (whole units) that leaves the host's headroom free, with
+    `reserved` bytes of host memory set aside for what the batch will need."""
     trainable = [u.trainable for u in shape.units]
-    total, budget = sum(trainable), (1 - headroom) * resources.free("host")
+    total, budget = sum(trainable), resources.free("host") - reserved
     placed = 0
     for n in [0, *trainable]:
         placed += n

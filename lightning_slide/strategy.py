@@ -103,6 +103,7 @@ class SlideStrategy(SingleDeviceStrategy):
         self.plan: Plan | None = None
         self._planned: tuple | None = None  # (model shape, setup): what micro-batches are checked against
         self._checked_tokens = 0  # the largest micro-batch checked so far
+        self._process_bytes = 0  # host memory the process held besides the model's weights at setup
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -180,7 +181,7 @@ class SlideStrategy(SingleDeviceStrategy):
             self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
             setup = replace(setup, config=self.config)
             self.plan = Plan.static(shape, setup)
-        self._planned, self._checked_tokens = (shape, setup), 0
+        self._planned, self._checked_tokens, self._process_bytes = (shape, setup), 0, resources.process
         rank_zero_info(self.plan.describe())
         if self.config.offload == "nvme":
             direct = direct_io(self.config.gds, self.root_device)
@@ -259,7 +260,10 @@ class SlideStrategy(SingleDeviceStrategy):
         resources = Resources.probe(self.root_device)
         gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
         needs = self.plan.batch(shape, setup, *tokens, gpu_free)
-        rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe())
+        whole = Plan(self.plan.entries + needs.entries)
+        peak = whole.peak_rss(replace(resources, process=self._process_bytes))
+        rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe()
+                       + f"\n  expected peak host RSS of the run: {peak / 2**30:.2f} GiB")
         needs.check(resources)
 
     # ------------------------------------------------------------------------------------ checkpoints

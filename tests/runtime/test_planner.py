@@ -275,3 +275,21 @@ def test_recompute_never_plans_every_blocks_graph_and_names_recompute_when_it_ca
     assert not any(e.what.startswith("kept graphs") for e in Plan.estimate(shape, Setup(SlideConfig()), 8, 1024).entries)
     with pytest.raises(PlanError, match="recompute='auto'"):
         plan.check(Resources(ram=126 * GiB, gpu=24 * GiB))
+
+
+def test_a_plan_must_leave_the_hosts_headroom_free():
+    plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
+    need = plan.total("ram")
+    plan.check(Resources(ram=need + GiB, headroom=GiB))
+    with pytest.raises(PlanError, match="after the 1.00 GiB kept free for the rest of the system"):
+        plan.check(Resources(ram=need + GiB - 1, headroom=GiB))
+
+
+def test_the_probe_keeps_a_twentieth_of_the_ram_free_and_counts_what_the_process_holds():
+    import psutil
+
+    resources = Resources.probe(torch.device("cpu"))
+    assert resources.headroom >= 0.05 * psutil.virtual_memory().total - 1
+    assert resources.process > 0
+    plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
+    assert plan.peak_rss(resources) == plan.total("ram") + resources.process

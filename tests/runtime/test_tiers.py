@@ -253,10 +253,10 @@ def test_the_auto_fraction_puts_on_disk_only_what_ram_cannot_hold():
     setup = Setup(SlideConfig(offload="nvme", chunk_elems=1024), device="cpu", dtype=torch.float32)
     everything = Plan.static(shape, setup).total("ram")
     assert fit_moments(shape, setup, Resources(ram=2 * everything)) == 0.0
-    tight = fit_moments(shape, setup, Resources(ram=int(everything * 0.8)))
+    tight = fit_moments(shape, setup, Resources(ram=int(everything * 0.8), headroom=int(everything * 0.1)))
     assert 0 < tight < 1
     config = SlideConfig(offload="nvme", nvme_moments=tight, chunk_elems=1024)
-    assert Plan.static(shape, Setup(config, device="cpu", dtype=torch.float32)).total("ram") <= 0.9 * 0.8 * everything
+    assert Plan.static(shape, Setup(config, device="cpu", dtype=torch.float32)).total("ram") <= 0.7 * everything
 
 
 def test_with_the_master_on_disk_too_less_of_the_model_must_go_to_disk_to_fit_the_same_ram():
