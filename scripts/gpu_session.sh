@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh bench   the throughput/memory suite (benchmarks/, `targets` by default)
 #   bash scripts/gpu_session.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #   bash scripts/gpu_session.sh capacity-master  8B with half the units' master and moments on disk
+#   bash scripts/gpu_session.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
+#                                       crash / resume / export cycle at 3B (benchmarks/e2e.py)
 # Writes logs and results under $OUT. Carried wheels (.whl/) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,13 @@ case "${1:-check}" in
   capacity-master)
     timeout 300 python3 -m benchmarks.capacity --model llama3_8b --steps 3 --micro-batch 8 --nvme-moments 0.5 \
       --nvme-master --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-master.log"; tail -15 "$OUT/capacity-8b-master.log"
+    ;;
+  e2e)
+    python3 -m benchmarks.run --cases llama3_8b-mb8-cap24-slide-cpu-clip1 --out "$OUT/harness" --budget-s 150 \
+      --commit "$COMMIT" 2>&1 | tail -5
+    timeout 260 python3 -m benchmarks.e2e --model llama3_8b --out "$OUT/e2e" --commit "$COMMIT" 2>&1 | tail -3
+    df -h /tmp | tee -a "$OUT/machine.txt"
+    timeout 240 python3 -m benchmarks.e2e --model llama3_3b --crash --out "$OUT/e2e" --commit "$COMMIT" 2>&1 | tail -3
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" --budget-s "${BUDGET:-540}" --commit "$COMMIT"
