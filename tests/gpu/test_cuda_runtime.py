@@ -25,6 +25,20 @@ def test_fp32_on_cuda_matches_adamw_without_kernels(accumulate):
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+def test_held_bf16_gradients_on_cuda_train_exactly_as_fp32_sums_of_the_same_gradients():
+    """A clipped step holds bf16 gradients copied straight from the GPU; widened they equal fp32 sums."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    held = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=0.05, precision="bf16-mixed",
+               accelerator="gpu")
+    sums = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=0.05, precision="bf16-mixed",
+               accelerator="gpu", callbacks=[GradientAccumulationScheduler({0: 1, 1000: 2})])
+    assert all(torch.equal(p, q) for p, q in zip(held.model.parameters(), sums.model.parameters()))
+
+
 @pytest.mark.parametrize(
     "settings",
     [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096),
