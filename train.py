@@ -3,17 +3,22 @@
 Writes into the Hydra run dir: CSV and TensorBoard logs, checkpoints/, and hf_model/ (save_pretrained).
 """
 
+import logging
+import os
+import warnings
+from importlib.util import find_spec
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_slide import SlideStrategy
+from lightning_slide.arguments import check_arguments
 from lightning_slide.callbacks import HFExport, ThroughputMemoryMonitor
 from lightning_slide.data import TextDataModule, load_tokenizer
 from lightning_slide.lm import CausalLMModule
@@ -27,8 +32,40 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
+#: What a setting that a config group leaves open (`???` in its yaml) needs, said the way a user sets it.
+REQUIRED = {"data.path": "data=jsonl needs data.path=/path/to/train.jsonl (one JSON object per line)"}
+
+
+def check_required(cfg: DictConfig) -> None:
+    """Settings left open (OmegaConf's `???`) are named before anything reads them as a value."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError("; ".join(REQUIRED.get(key, f"{key} needs a value ({key}=...)") for key in missing) + ".")
+
+
+def prepare_nvme_path(offload: dict) -> dict:
+    """The disk tier's folder, made if missing, so the planner can measure the disk under it; its absolute
+    path goes to the strategy. A folder that cannot be made or written is refused here, naming the setting."""
+    if offload["offload"] != "nvme" or not offload.get("nvme_path"):
+        return offload
+    path = Path(offload["nvme_path"]).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
+    except OSError as error:
+        problem = f"{error.strerror}: {error.filename or path}"
+    if problem:
+        raise ValueError(f"offload.nvme_path={offload['nvme_path']!r} cannot hold the disk tier ({problem}). It must "
+                         "be a folder that exists or can be created, on a local disk you can write to, "
+                         "e.g. offload.nvme_path=/mnt/nvme/slide.")
+    return {**offload, "nvme_path": str(path)}
+
+
 def make_trainer(settings: dict, **wiring: object) -> L.Trainer:
-    """The `trainer.*` settings are lightning.Trainer's own arguments: a wrong one is named with the settings."""
+    """The `trainer.*` settings are lightning.Trainer's own arguments: a wrong one is named with its type."""
+    check_arguments(L.Trainer.__init__, settings, "trainer", "lightning.Trainer")
+    if settings.get("enable_progress_bar", True) is not False and find_spec("rich") is not None:
+        wiring = {**wiring, "callbacks": [*wiring.get("callbacks", []), StepsProgressBar()]}
     try:
         return L.Trainer(**settings, **wiring)
     except (TypeError, ValueError) as error:
@@ -36,9 +73,33 @@ def make_trainer(settings: dict, **wiring: object) -> L.Trainer:
                          f"types (e.g. trainer.max_steps=1000). Got {settings}.") from error
 
 
+class StepsProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, minus the "Epoch 0/-2" it shows when max_steps ends the run
+    (max_epochs=-1 means no epoch limit; Lightning issue #21925): such a run reads "Epoch 0"."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = f"Epoch {current_epoch}"
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            description += f"/{self.trainer.max_epochs - 1}"
+        return f"{description:{len(self.validation_description)}}"  # as wide as "Validation": no flicker
+
+
+def quiet_library_notices() -> None:
+    """What a train.py user cannot act on stays off the screen: the libraries' notices to one another
+    (FutureWarnings when transformers, Lightning or torch code calls an API being retired) and Lightning's
+    advertisement for its logging service. Warnings about the run itself (UserWarning, Lightning's
+    PossibleUserWarning and deprecations of Lightning settings) still show."""
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            module=r"(transformers|lightning|lightning_fabric|pytorch_lightning|torch|torchmetrics)\.")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not record.getMessage().startswith("💡 Tip"))
+
+
 def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     """One fine-tuning run of the composed config, writing everything under `run_dir`."""
+    check_required(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
+    c["offload"] = prepare_nvme_path(c["offload"])
     L.seed_everything(c["seed"])
     sliding = c["offload"]["offload"] != "none"  # the engine fills meta placeholders unit by unit
     model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)  # checks the folder first
@@ -61,6 +122,7 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_library_notices()
     train(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 

@@ -21,7 +21,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from lightning_slide.materialize import meta_parameters
+from lightning_slide.materialize import has_weights, meta_parameters, missing_weights
 
 
 def _llama3_rope(factor: float) -> dict:
@@ -154,8 +154,9 @@ def build_model(
 ) -> PreTrainedModel:
     """A causal LM with fp32 weights on the CPU (the runtime keeps its master copy there).
 
-    `pretrained` (a local folder written by `save_pretrained`) wins over the name: its config and weights
-    are loaded without touching the network. Otherwise the named (or given) config gets random weights.
+    `pretrained` (a local folder written by `save_pretrained`: safetensors or `pytorch_model.bin`) wins over
+    the name: its config and weights are loaded without touching the network; a folder without weights is
+    refused. Otherwise the named (or given) config gets random weights.
     `meta=True` (for the slideformer strategy) builds placeholders instead, which its engine fills unit by
     unit from that folder or with random init, straight into its flat storage (see `materialize.py`).
     Either way the model comes back in train mode, ready to fine-tune (`from_pretrained` returns eval mode).
@@ -175,9 +176,15 @@ def build_model(
 
 
 def _checkpoint_folder(pretrained: str | Path) -> Path:
+    """The folder, once it is known to hold a config and weights (either path would otherwise start from
+    random weights without a word: the meta path fills placeholders with the initialiser, and a model
+    built from the config alone is random too)."""
     folder = Path(pretrained).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model.pretrained={str(pretrained)!r} is not a local Hugging Face model folder "
                                 "(no config.json there). Point it at a folder written by save_pretrained, "
                                 "or drop model.pretrained to train the named architecture from scratch.")
+    if not has_weights(folder):
+        raise missing_weights(folder, "model.pretrained", "Copy the weights into the folder, or drop "
+                              "model.pretrained to train the named architecture from random weights.")
     return folder
