@@ -113,7 +113,7 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         callbacks=[
             ModelCheckpoint(run_dir / "checkpoints", **c["checkpoint"]),
             ThroughputMemoryMonitor(),
-            HFExport(run_dir / "hf_model", tokenizer),
+            HFExport(run_dir / "hf_model", tokenizer, **c["export"]),
         ],
     )
     trainer.fit(module, datamodule=TextDataModule(tokenizer, seed=c["seed"], **c["data"]), ckpt_path=c["resume"])

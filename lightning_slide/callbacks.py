@@ -12,6 +12,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import PreTrainedTokenizerBase
 
+from lightning_slide.export import DEFAULT_MAX_SHARD_SIZE, check_settings, save_hf_folder
+
 GIB = 2**30
 
 
@@ -61,37 +63,27 @@ class ThroughputMemoryMonitor(Callback):
         return memory
 
 
-def standalone_weights(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """CPU copies of the tensors under `prefix` (prefix stripped) that share no memory with anything else.
-
-    Under the sliding strategy parameters are views into large flat host buffers, which safetensors refuses.
-    Tied weights (one tensor under two names) stay one tensor, so `save_pretrained` keeps the tie.
-    """
-    copies: dict[tuple, torch.Tensor] = {}
-    weights = {}
-    for name, tensor in state_dict.items():
-        if name.startswith(prefix):
-            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-            if key not in copies:
-                copies[key] = tensor.detach().to("cpu", copy=True).contiguous()
-            weights[name[len(prefix):]] = copies[key]
-    return weights
-
-
 class HFExport(Callback):
-    """At the end of training, writes `pl_module.model` as a Hugging Face folder (safetensors + tokenizer).
+    """At the end of training, writes `pl_module.model` as a Hugging Face folder (safetensors shards + tokenizer).
 
     Runs in `on_train_end`, before the strategy tears down its buffers, and takes the weights from
-    `trainer.strategy.lightning_module_state_dict()`, which waits for any in-flight optimizer update.
+    `trainer.strategy.lightning_module_state_dict()`, which waits for any in-flight optimizer update. Those are
+    views into the strategy's flat host buffers; `save_hf_folder` casts and writes them one shard at a time,
+    so the export costs at most one shard of extra host memory. `dtype="auto"` writes the checkpoint's own
+    dtype (bf16 for published checkpoints), "float32" the fp32 masters as they are.
     """
 
-    def __init__(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, dtype: str = "auto",
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+        check_settings(dtype, max_shard_size)
         self.out_dir = Path(out_dir)
         self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.max_shard_size = max_shard_size
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        weights = standalone_weights(trainer.strategy.lightning_module_state_dict(), prefix="model.")
+        state = trainer.strategy.lightning_module_state_dict()
+        weights = {name.removeprefix("model."): tensor for name, tensor in state.items() if name.startswith("model.")}
         if trainer.is_global_zero:
-            pl_module.model.save_pretrained(self.out_dir, state_dict=weights)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(self.out_dir)
+            save_hf_folder(pl_module.model, self.out_dir, weights, dtype=self.dtype,
+                           max_shard_size=self.max_shard_size, tokenizer=self.tokenizer)

@@ -51,6 +51,7 @@ def _llama3(hidden: int, layers: int, heads: int, intermediate: int, tied: bool,
         tie_word_embeddings=tied,
         bos_token_id=128000,
         eos_token_id=128001,
+        dtype="bfloat16",
     )
 
 
@@ -69,6 +70,7 @@ def _qwen3(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
         tie_word_embeddings=False,
         bos_token_id=151643,
         eos_token_id=151645,
+        dtype="bfloat16",
     )
 
 
@@ -111,6 +113,7 @@ MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
             tie_word_embeddings=False,
             bos_token_id=151643,
             eos_token_id=151643,
+            dtype="bfloat16",
         ),
     ),
     "qwen3_8b": (Qwen3Config, _qwen3(4096, 36, 32, 12288)),
@@ -132,6 +135,7 @@ MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
             tie_word_embeddings=False,
             bos_token_id=1,
             eos_token_id=2,
+            dtype="bfloat16",
         ),
     ),
 }
@@ -168,8 +172,10 @@ def build_model(
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     else:
         config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    declared = config.dtype  # the checkpoint's own dtype (bf16 when published): from_config overwrites it
     with meta_parameters() if meta else nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.dtype = declared or model.config.dtype
     if folder is not None:
         model.config.name_or_path = str(folder)
     return model.train()

@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_slide.callbacks import ThroughputMemoryMonitor, standalone_weights
+from lightning_slide.callbacks import ThroughputMemoryMonitor
 from lightning_slide.config import SlideConfig
 from lightning_slide.data import byte_tokenizer
 from lightning_slide.models import MODELS, build_model, model_config
@@ -171,17 +171,15 @@ def test_offload_recipes_are_valid_slide_configs_that_name_every_setting(offload
     assert {f.name for f in fields(SlideConfig)} - set(settings) <= {"nvme_path", "nvme_moments", "nvme_master", "gds"}
 
 
-def test_export_copies_share_no_memory_but_keep_ties():
-    flat = torch.randn(40)
-    embedding = flat[:20].view(4, 5)
-    state = {"model.embed.weight": embedding, "model.head.weight": embedding, "model.norm.weight": flat[20:25],
-             "other.weight": flat[25:]}
-    weights = standalone_weights(state, prefix="model.")
-    assert set(weights) == {"embed.weight", "head.weight", "norm.weight"}
-    assert weights["embed.weight"] is weights["head.weight"]
-    assert weights["norm.weight"].untyped_storage().nbytes() == 5 * 4
-    flat.zero_()
-    assert torch.equal(weights["norm.weight"], state["model.norm.weight"]) is False
+def test_export_settings_shape_the_hf_folder(tmp_path):
+    train(config("offload=cpu", "trainer.max_steps=1", "trainer.val_check_interval=1", "+trainer.limit_val_batches=1",
+                 "export.dtype=bfloat16", "export.max_shard_size=300KB"), tmp_path)
+    folder = tmp_path / "hf_model"
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    exported = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
 
 
 def test_throughput_counts_only_non_padding_tokens(monkeypatch):
