@@ -52,6 +52,9 @@ class SlideConfig:
         and from the files ("auto": where kvikio runs GPUDirect Storage; "on": wherever kvikio is installed and
         the device is CUDA, bouncing through kvikio's own host buffers where GDS is missing; "off": pinned
         host buffers, copied over PCIe by the runtime). Direct costs the staging buffers' GPU memory.
+    stall_timeout_s: seconds without any background worker (optimizer, copy, disk threads) starting or finishing
+        an item, while training waits for them, after which fit stops with an error naming the stalled worker,
+        its item and its stack; None: max(300 s, 10 x the longest item so far).
     """
 
     offload: Offload = "cpu"
@@ -68,6 +71,7 @@ class SlideConfig:
     nvme_moments: float | None = None
     nvme_master: bool = False
     gds: Literal["auto", "on", "off"] = "auto"
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -84,6 +88,9 @@ class SlideConfig:
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
             "nvme_master": not self.nvme_master or self.offload == "nvme",
             "gds": self.gds in ("auto", "on", "off"),
+            "stall_timeout_s": self.stall_timeout_s is None or (
+                isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
+                and self.stall_timeout_s > 0),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -117,4 +124,5 @@ _HINTS = {
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",
     "nvme_master": "The master weights go to disk only with offload='nvme' (the disk tier).",
     "gds": "Choose 'auto' (GPUDirect Storage where kvikio uses it), 'on' or 'off' (pinned host staging).",
+    "stall_timeout_s": "Give a positive number of seconds, or None to scale it from the longest item (at least 300 s).",
 }

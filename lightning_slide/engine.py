@@ -248,7 +248,7 @@ class SlideEngine:
         if device.type == "cuda" and device.index is None:  # memory queries need the index
             device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
-        self.failure = Failure()
+        self.failure = Failure(config.stall_timeout_s)
         self.mode, self.clip_norm, self._clip_once = mode, mode.clip_norm, None
         self.deferred = mode.deferred
         self.needs_acc = mode.holds_grads
@@ -690,8 +690,7 @@ class SlideEngine:
 
     def close(self) -> None:
         """Finish queued updates, stop the threads, restore the modules, unpin host memory, drop GPU slots."""
-        if self.failure.error is None:
-            self.synchronize()
+        self.failure.finish(self.synchronize)  # bounded after Ctrl-C; skipped after a worker failed
         for worker in (self.pump.worker if self.pump else None, self.adam.worker):
             if worker is not None:
                 worker.stop()
