@@ -11,7 +11,7 @@ then the copies in and out of them stay on the GPU.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -30,7 +30,10 @@ class _HostBuffer:
 
 
 class Saved:
-    """One saved input: the device tensor itself, a host copy, or a disk region, that comes back on demand."""
+    """One saved input: the device tensor itself, a host copy, or a disk region, that comes back on demand.
+
+    A host copy's buffer is free from the moment the input is back on the device (`host_tensor`) until the next
+    forward saves into it: the engine may lend it to the unit's gradient in between."""
 
     def __init__(self, store: "ActivationStore", value: torch.Tensor | None = None, host: _HostBuffer | None = None,
                  written: object = None, disk: tuple[Hashable, torch.Size, torch.dtype] | None = None) -> None:
@@ -61,6 +64,12 @@ class Saved:
         value, self._value = self._value, None
         return value
 
+    @property
+    def host_tensor(self) -> torch.Tensor | None:
+        """The pooled host buffer this input waited in, if it waited in RAM (free once `get` has run: work
+        ordered after the compute that consumes the input may overwrite it)."""
+        return None if self._host is None else self._host.tensor
+
 
 class ActivationStore:
     """Decides per micro-batch where inputs wait: `mode` "device", "cpu", "nvme", or "auto" (device while they
@@ -72,6 +81,7 @@ class ActivationStore:
         self.direct = direct
         self.compute, self.h2d, self.d2h = compute, h2d, d2h
         self._pool: dict[Hashable, _HostBuffer] = {}
+        self.before_reuse: Callable[[torch.Tensor], None] | None = None  # called before a host buffer is rewritten
         self._where: str | None = None
         self.disk: Spill | None = None
         self._region_bytes = 0
@@ -94,6 +104,8 @@ class ActivationStore:
         if self._where == "nvme":
             return self._save_to_disk(key, value, produced)
         host = self._buffer(key, value)
+        if self.before_reuse is not None:
+            self.before_reuse(host.tensor)
         with self.d2h():
             self.d2h.wait(produced)
             self.d2h.wait(host.read_done)

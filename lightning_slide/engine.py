@@ -179,6 +179,7 @@ class _Call:
             prev.prefetch()
         if self.kept is None:
             inputs = [s.get().detach().requires_grad_(True) for s in self.saved]
+            engine._inputs_back(part.unit, self.saved)
             before = engine.allocated()
             with _restored(self.autocast, self.rng, engine.device):
                 out = self._record(slots, inputs)
@@ -284,6 +285,7 @@ class SlideEngine:
         direct = self.tier is not None and direct_io(config.gds, device)
         self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
                                           self.tier, self.failure, direct)
+        self.activations.before_reuse = self._reclaim
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending = [0] * len(self.storages)
         ring_units = [u for u, s in enumerate(self.storages) if s.trainable_numel and u not in self.window.dedicated]
@@ -293,6 +295,9 @@ class SlideEngine:
         self._update_order += sorted(self._held_back)
         self._written: set[int] = set()
         self._receiving: dict[int, GradBuffer] = {}
+        self._holding: dict[int, torch.Tensor] = {}  # unit -> where its gradient waits for this step's update
+        self._spare: dict[int, torch.Tensor] = {}  # unit -> a host buffer its backward freed (`_gradient_home`)
+        self._lent: dict[int, int] = {}  # data_ptr of a saved-input buffer -> the unit whose gradient it holds
         self._plan: StepPlan | None = None
         self._window_units: set[int] = set()  # units that got a gradient since the last optimizer step
         self._norms_measured = False  # the final sums were measured as they came (they came under a plan)
@@ -356,8 +361,8 @@ class SlideEngine:
         for s in self.storages:
             if s.on_disk or (self.config.h2d_source == "shadow" and self.dtype != torch.float32):
                 s.add_shadow(self.dtype)
-            if self.needs_acc and optimizer is not None:
-                s.add_grad_accumulator(self.mode.held_dtype(self.dtype))
+            if self.mode.sums and optimizer is not None:  # held single gradients find a home at first use
+                s.add_grad_accumulator()
             if amsgrad:
                 s.add_amsgrad_state()
 
@@ -455,7 +460,11 @@ class SlideEngine:
                 f"Unit {storage.name} got a second gradient before its optimizer step, but this fit holds one "
                 "gradient per unit and step (no accumulation was announced): set accumulate_grad_batches > 1 "
                 "(or a GradientAccumulationScheduler) when fit starts to sum several backwards.")
-        sums = storage.grad_acc if first and self._lands_in_sums(storage) else None
+        sums = None
+        if first:
+            home, pinned = self._gradient_home(unit)
+            self._holding[unit] = home
+            sums = home if self._lands_directly(pinned) else None  # else through the landing ring
         if sums is not None:
             # the window's first gradient lands in the sums, which the unit's last update must have read (its
             # forward waited for that update, so this returns at once)
@@ -478,9 +487,45 @@ class SlideEngine:
             self._check_planned_reads()
             self._release_held()
 
-    def _lands_in_sums(self, storage: UnitStorage) -> bool:
-        """A copy from the GPU goes straight into the sums only where they are pinned (else it would stall)."""
-        return storage.acc_pinned or self.device.type != "cuda"
+    def _gradient_home(self, unit: int) -> tuple[torch.Tensor, bool]:
+        """Where the window's gradient of `unit` waits on the host, and whether that memory is pinned (a copy
+        from the GPU goes straight in only then; else it would stall).
+
+        fp32 sums have their own buffer. A step that holds one gradient as it came puts it in the host buffer of
+        the unit's saved input that its backward has just freed, where that is large enough (at 64 x 1024 tokens
+        a Llama-3.1-8B block's input takes 512 MiB, its bf16 gradient 436 MB): the gradient then costs no memory
+        of its own. The next forward saves into that buffer only after the unit's update (`_reclaim`). Other
+        units get a buffer of their own at first use.
+        """
+        storage = self.storages[unit]
+        spare = self._spare.pop(unit, None)
+        nbytes = storage.trainable_numel * torch.empty(0, dtype=self.dtype).element_size()
+        if not self.mode.sums and spare is not None and spare.numel() * spare.element_size() >= nbytes:
+            self._lent[spare.data_ptr()] = unit
+            return spare.view(-1).view(torch.uint8)[:nbytes].view(self.dtype), spare.is_pinned()
+        if storage.grad_acc is None:
+            storage.add_grad_accumulator(self.mode.held_dtype(self.dtype))
+        return storage.grad_acc, storage.acc_pinned
+
+    def _lands_directly(self, pinned: bool) -> bool:
+        """A copy from the GPU goes straight into host memory only where that is pinned (else it would stall)."""
+        return pinned or self.device.type != "cuda"
+
+    def _inputs_back(self, unit: int, saved: list[Saved]) -> None:
+        """A part's saved inputs are back on the device: the largest host buffer among them may hold the unit's
+        gradient (work on the d2h lane after this backward is ordered after the compute that read them)."""
+        if self.mode.sums or not self.mode.holds_grads:
+            return
+        for t in (s.host_tensor for s in saved):
+            best = self._spare.get(unit)
+            if t is not None and (best is None or t.numel() * t.element_size() > best.numel() * best.element_size()):
+                self._spare[unit] = t
+
+    def _reclaim(self, buffer: torch.Tensor) -> None:
+        """A forward is about to save an input into `buffer`: if a unit's gradient waits there, its update first."""
+        unit = self._lent.pop(buffer.data_ptr(), None)
+        if unit is not None:
+            self.wait_grads_s += self.adam.wait_applied(unit)
 
     def _check_planned_reads(self) -> None:
         """Updates during the backward read their disk state in an order planned when the step began (reads run
@@ -507,6 +552,7 @@ class SlideEngine:
         self._abandon_graph()
         self._tape_position = 0
         self._last_call = None
+        self._spare.clear()
         self.activations.new_micro_batch()
         self.graphs.new_micro_batch()
         if tokens is not None:
@@ -567,6 +613,7 @@ class SlideEngine:
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan, units, norm_of_sums=not measured)
+        self._holding.clear()  # eager accumulation: the updates read the sums themselves
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
@@ -623,14 +670,14 @@ class SlideEngine:
             plan.sq_norm += self.pump.sq_norm_on_device(plan)
             if norm_of_sums:
                 for u in units:
-                    plan.add_sq_norm(self.storages[u].grad_acc)
+                    plan.add_sq_norm(self._holding[u])
             coef = plan.clip_norm / (math.sqrt(plan.sq_norm) + 1e-6)
             if coef < 1.0:
                 plan.grad_scale = torch.tensor(1.0 / coef)
         self.moments.plan(units)
         for u in units:
             self.adam.schedule(u)
-            self.adam.put(DeferredUpdate(u, plan))
+            self.adam.put(DeferredUpdate(u, plan, self._holding.pop(u)))
 
     def _drain(self) -> float:
         waited = self.failure.wait(self.pump.worker.idle, "the gradient copies") if self.pump else 0.0
@@ -639,6 +686,7 @@ class SlideEngine:
     def synchronize(self) -> None:
         """Wait for every queued copy and update (before reading weights or optimizer state)."""
         self.wait_drain_s += self._drain()
+        self._lent.clear()  # every update has read its gradient
         for step in self._step_tensors:
             step.fill_(float(self._step))
 

@@ -149,10 +149,12 @@ class GradChunk:
 
 @dataclass
 class DeferredUpdate:
-    """Update a whole unit from its accumulated gradient (after clipping or manual optimization)."""
+    """Update a whole unit from the gradient its step held on the host (after clipping or manual optimization):
+    fp32 sums, or the one gradient as it came."""
 
     unit: int
     plan: StepPlan
+    grads: torch.Tensor = field(repr=False)
 
 
 class LayerAdam:
@@ -190,9 +192,8 @@ class LayerAdam:
     def _handle(self, item: GradChunk | DeferredUpdate) -> None:
         if isinstance(item, DeferredUpdate):
             with self._working_on(item.unit):
-                acc = self.storages[item.unit].grad_acc
                 for start, n in self.moments.spans(item.unit):
-                    self._update(item.unit, item.plan, start, acc[start : start + n])
+                    self._update(item.unit, item.plan, start, item.grads[start : start + n])
             self._finish(item.unit)
             return
         host_wait(item.ready)

@@ -185,8 +185,8 @@ class Plan:
         tokens = micro_batch * seq_len
         acts = shape.saves * tokens * shape.hidden * setup.compute_bytes
         where = _saved_inputs_go(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
-        batch = (*_activations(shape, setup, tokens, acts, where), _workspace(shape, setup, tokens),
-                 _kept_graphs(shape, setup, tokens))
+        batch = (*_activations(shape, setup, tokens, acts, where), _held_gradients(shape, setup, tokens, where),
+                 _workspace(shape, setup, tokens), _kept_graphs(shape, setup, tokens))
         return Plan(tuple(e for e in batch if e.bytes > 0))
 
     def with_batch(self, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
@@ -266,13 +266,9 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
                                                          for u in on_disk), "a smaller nvme_moments"),
                     Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * width * chunk,
                           "a smaller chunk_elems")]
-    held = setup.mode.held_dtype(setup.dtype) if setup.training else None
-    if held is not None:
-        size = torch.empty(0, dtype=held).element_size()
-        what = "fp32 gradient sums" if setup.mode.sums else f"held gradients ({_dtype_name(held)}, for the step's norm)"
-        remedy = ("accumulate_grad_batches=1 and automatic optimization" if setup.mode.sums
-                  else "gradient_clip_val=None (no clipping)")
-        entries.append(Entry(what, setup.pinned, size * t, remedy))
+    if setup.training and setup.mode.sums:
+        entries.append(Entry("fp32 gradient sums", setup.pinned, 4 * t,
+                             "accumulate_grad_batches=1 and automatic optimization"))
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))
     shadowed = n if setup.config.h2d_source == "shadow" and setup.low_precision else master_on_disk
@@ -280,10 +276,6 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
                              setup.compute_bytes * shadowed, "h2d_source='master'" if shadowed == n else ""))
     return entries
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:
@@ -353,6 +345,20 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
                 _disk_staging(setup, DISK_BUFFERS * align(hidden)), in_flight]
     return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
                   "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
+
+
+def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) -> Entry:
+    """engine.py `_gradient_home`: a deferred step without sums holds each unit's gradient in the compute dtype,
+    in the pinned buffer of one of the unit's saved inputs where that is large enough (every unit but the
+    embedding saves hidden states), else in a buffer of its own."""
+    if not (setup.training and setup.mode.holds_grads) or setup.mode.sums:
+        return Entry("held gradients", setup.pinned, 0)
+    c = setup.compute_bytes
+    lendable = tokens * shape.hidden * c if where == "cpu" else 0
+    own = sum(u.trainable * c for i, u in enumerate(shape.units) if i == 0 or u.trainable * c > lendable)
+    dtype = str(setup.dtype).removeprefix("torch.")
+    return Entry(f"held gradients ({dtype}, for the step's norm; the rest in saved-input buffers)", setup.pinned,
+                 own, "gradient_clip_val=None (no clipping)")
 
 
 def _disk_staging(setup: Setup, nbytes: int) -> Entry:

@@ -36,7 +36,7 @@ def test_clipping_and_accumulation_match_adamw_when_the_sums_could_not_be_pinned
     """Then a window's first gradient goes through the landing buffers and the optimizer thread copies it in."""
     from lightning_slide.engine import SlideEngine
 
-    monkeypatch.setattr(SlideEngine, "_lands_in_sums", lambda self, storage: False)
+    monkeypatch.setattr(SlideEngine, "_lands_directly", lambda self, pinned: False)
     model, batches = tiny_model("llama"), token_batches(STEPS * accumulate)
     expected = reference(model, batches, STEPS, accumulate=accumulate, clip=0.05)
     got = fit(model, batches, "slideformer", STEPS, accumulate=accumulate, clip=0.05)

@@ -11,6 +11,22 @@ from tests.runtime.helpers import fit, tiny_model, token_batches
 STEPS = 4
 
 
+def _train_engine(rows: int, steps: int = 2, mode: StepMode = StepMode(clip_norm=1.0), dtype: torch.dtype = torch.bfloat16,
+                  activations: str = "cpu") -> SlideEngine:
+    """A tiny Llama trained `steps` steps of `rows` x 16 tokens by the engine alone (no Lightning)."""
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(activations=activations),
+                         torch.device("cpu"), dtype, mode)
+    for x in token_batches(steps, batch=rows):
+        engine.new_micro_batch()
+        engine.begin_step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+            model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+    engine.synchronize()
+    return engine
+
+
 def test_held_low_precision_gradients_train_exactly_as_fp32_sums_of_the_same_gradients(monkeypatch):
     """bf16 gradients widened to fp32 are the values fp32 sums would hold: the parameters are bit-equal, also
     when a unit's gradient reaches AdamW in several widened pieces."""
@@ -31,8 +47,7 @@ def test_held_low_precision_gradients_train_exactly_as_fp32_sums_of_the_same_gra
     ids=["clipped-bf16", "clipped-fp32", "accumulated", "manual", "eager"],
 )
 def test_gradients_are_held_in_the_compute_dtype_only_where_nothing_is_summed(mode, dtype, held):
-    model = tiny_model("llama")
-    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"), dtype, mode)
+    engine = _train_engine(2, mode=mode, dtype=dtype, activations="device")
     assert {None if s.grad_acc is None else s.grad_acc.dtype for s in engine.storages} == {held}
     engine.close()
 
@@ -49,3 +64,21 @@ def test_a_second_backward_before_a_step_that_holds_single_gradients_is_refused(
         with pytest.raises(RuntimeError, match="second gradient before its optimizer step.*accumulate_grad_batches"):
             model(input_ids=x, labels=x).loss.backward()
     engine.close()
+
+
+
+
+@pytest.mark.parametrize("rows, own", [(32, {"embed"}), (2, {"embed", "block.0", "block.1", "block.2", "head"})],
+                         ids=["inputs-larger-than-gradients", "inputs-smaller"])
+def test_a_unit_whose_saved_input_buffer_can_hold_its_gradient_needs_no_gradient_memory_of_its_own(rows, own):
+    engine = _train_engine(rows)
+    assert {s.name for s in engine.storages if s.grad_acc is not None} == own
+    engine.close()
+
+
+def test_gradients_in_saved_input_buffers_train_exactly_as_fp32_sums_of_the_same_gradients():
+    model, batches = tiny_model("llama"), token_batches(STEPS, batch=32)
+    lent = fit(model, batches, SlideStrategy(activations="cpu"), STEPS, clip=0.05, precision="bf16-mixed")
+    sums = fit(model, batches, SlideStrategy(activations="cpu"), STEPS, clip=0.05, precision="bf16-mixed",
+               callbacks=[GradientAccumulationScheduler({0: 1, 1000: 2})])
+    assert all(torch.equal(p, q) for p, q in zip(lent.model.parameters(), sums.model.parameters()))

@@ -293,3 +293,13 @@ def test_the_probe_keeps_a_twentieth_of_the_ram_free_and_counts_what_the_process
     assert resources.process > 0
     plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
     assert plan.peak_rss(resources) == plan.total("ram") + resources.process
+
+
+@pytest.mark.parametrize("micro_batch, own", [(8, "all"), (64, "embed+head")])
+def test_a_clipped_8b_step_holds_bf16_gradients_outside_saved_input_buffers_only_where_they_do_not_fit(micro_batch, own):
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"), mode=StepMode(clip_norm=1.0))
+    plan = Plan.estimate(shape, setup, micro_batch, 1024)
+    held = next(e for e in plan.entries if e.what.startswith("held gradients"))
+    units = shape.units if own == "all" else (shape.units[0], shape.units[-1])
+    assert held.bytes == 2 * sum(u.trainable for u in units)
+    assert not any("sums" in e.what for e in plan.entries)
