@@ -13,13 +13,14 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_slide import SlideStrategy
 from lightning_slide.arguments import check_arguments
 from lightning_slide.callbacks import HFExport, ThroughputMemoryMonitor
+from lightning_slide.checkpoint_io import LinkedLastCheckpoint
 from lightning_slide.data import TextDataModule, load_tokenizer
 from lightning_slide.lm import CausalLMModule
 from lightning_slide.models import build_model
@@ -95,6 +96,12 @@ def quiet_library_notices() -> None:
         lambda record: not record.getMessage().startswith("💡 Tip"))
 
 
+def checkpoints(settings: dict, run_dir: Path) -> LinkedLastCheckpoint:
+    """The `checkpoint.*` settings are ModelCheckpoint's arguments; the files go to <run dir>/checkpoints
+    unless checkpoint.dirpath says otherwise (e.g. a larger disk)."""
+    return LinkedLastCheckpoint(**{**settings, "dirpath": settings.get("dirpath") or run_dir / "checkpoints"})
+
+
 def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     """One fine-tuning run of the composed config, writing everything under `run_dir`."""
     check_required(cfg)
@@ -111,7 +118,7 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         default_root_dir=run_dir,
         logger=[CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tensorboard", version="")],
         callbacks=[
-            ModelCheckpoint(run_dir / "checkpoints", **c["checkpoint"]),
+            checkpoints(c["checkpoint"], run_dir),
             ThroughputMemoryMonitor(),
             HFExport(run_dir / "hf_model", tokenizer, **c["export"]),
         ],

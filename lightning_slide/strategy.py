@@ -9,16 +9,13 @@ With `offload="none"` there is no engine: the strategy is Lightning's single-dev
 
 from __future__ import annotations
 
-import os
 import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Generator, Mapping
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
@@ -29,6 +26,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
 
+from lightning_slide.checkpoint_io import AtomicCheckpointIO
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
 from lightning_slide.materialize import meta_parameters
@@ -52,24 +50,6 @@ def _token_shape(batch: Any) -> tuple[int, int] | None:
 
     apply_to_collection(batch, torch.Tensor, visit)
     return found[0] if found else None
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes to a temporary file and renames it into place, so a crash never leaves a torn checkpoint."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
 
 
 class SlideStrategy(SingleDeviceStrategy):

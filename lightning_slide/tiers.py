@@ -8,24 +8,32 @@ GPUDirect Storage their staging buffers are device memory that kvikio reads and 
 disk (`direct_io`); without it they pass through pinned host buffers, since kvikio's compatibility mode
 would bounce device memory through its own host buffers anyway, one more copy. Files live in a private
 directory under `nvme_path` that is removed on close, at interpreter exit and when the owner is garbage
-collected, so an exception never leaves them behind. A short read or write is an error naming the file,
-never silent.
+collected, so an exception never leaves them behind. A process killed outright (SIGKILL, the OOM killer)
+runs none of that: its directory names its owner (pid, host, start time), and the next run on that
+`nvme_path` removes the directories of owners that are gone (`remove_stale_tier_folders`). A short read or
+write is an error naming the file, never silent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
+import psutil
 import torch
 
 from lightning_slide.streams import host_wait
@@ -33,6 +41,11 @@ from lightning_slide.threads import Failure, Worker
 
 ALIGN = 4096  # file regions start on page (and O_DIRECT block) boundaries
 IO_THREADS = 8
+TIER_PREFIX = "lightning-slide-"  # the private directories under nvme_path
+OWNER_FILE = "owner"  # in each: {"pid", "host", "started"} of the process that made it
+UNCLAIMED_GRACE_S = 60.0  # a directory without an owner file is left alone this long after its last write
+
+log = logging.getLogger(__name__)
 
 
 class DiskTierError(OSError):
@@ -144,13 +157,147 @@ def _bytes(tensor: torch.Tensor):
     return raw if raw.is_cuda else memoryview(raw.numpy()).cast("B")
 
 
+def process_alive(pid: int, host: str | None = None, since: float | None = None) -> bool:
+    """Whether the process `pid` of `host` (None: this host) that was running at time `since` may still run.
+
+    A process of another host may (nothing here can tell). A pid that now belongs to a process started
+    after `since` was reused: the one that was meant is gone. A zombie is gone.
+    """
+    if host is not None and host != socket.gethostname():
+        return True
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and (since is None or process.create_time() <= since + 1.0)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def _claimed_folder(root: str) -> str:
+    """A new private directory under `root` with its owner file (this process) written."""
+    path = tempfile.mkdtemp(prefix=TIER_PREFIX, dir=root)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": psutil.Process().create_time()}
+    try:
+        with open(os.path.join(path, OWNER_FILE), "w") as f:
+            json.dump(owner, f)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+def _file_stats(folder: str) -> list[os.stat_result]:
+    """lstat of every file under `folder` (those removed meanwhile left out)."""
+    stats = []
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                stats.append(os.lstat(os.path.join(parent, name)))
+    return stats
+
+
+def _allocated_bytes(folder: str) -> int:
+    """The disk space the files under `folder` hold (allocated blocks: the disk tier's files are preallocated)."""
+    return sum(st.st_blocks * 512 for st in _file_stats(folder))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _last_write(folder: str) -> float:
+    return max([os.lstat(folder).st_mtime] + [st.st_mtime for st in _file_stats(folder)])
+
+
+def _open_by_a_process(folder: str) -> bool:
+    """Whether a process we can see has a file under `folder` open (a live disk tier holds all of its open)."""
+    prefix = os.path.realpath(folder) + os.sep
+    for process in psutil.process_iter():
+        try:
+            if any(f.path.startswith(prefix) for f in process.open_files()):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+def _why_stale(folder: str) -> str | None:
+    """Why `folder` belongs to a run that is over, or None where it may be a live run's (or cannot be told)."""
+    try:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
+            owner = json.load(f)
+        pid, host, started = int(owner["pid"]), str(owner["host"]), float(owner["started"])
+    except (OSError, ValueError, KeyError, TypeError):  # an older version's, or its owner died making it
+        age = time.time() - _last_write(folder)
+        if age < UNCLAIMED_GRACE_S or _open_by_a_process(folder):
+            return None
+        return f"no owner recorded, nothing written for {age / 60:.0f} min and no process has its files open"
+    if process_alive(pid, host, started):
+        if host != socket.gethostname():
+            log.info("Keeping %s: it belongs to process %d of host %s, which cannot be checked from here.",
+                     folder, pid, host)
+        return None
+    return f"its process {pid} on {host} has ended"
+
+
+def remove_stale_tier_folders(root: str) -> int:
+    """Remove the disk-tier directories under `root` of runs that are over; returns the bytes freed.
+
+    A run killed outright (SIGKILL, the out-of-memory killer) leaves its directory, full of preallocated
+    files, behind. A directory is removed only when its owner file names a process of this host that has
+    ended, or, without an owner file, when nothing was written there for `UNCLAIMED_GRACE_S` and no process
+    has its files open; other users' directories are never touched. Each removal is logged with the bytes
+    it freed, and a directory that cannot be removed with the bytes it still holds. Nothing here fails the
+    run: a directory that cannot be examined is named in a warning and kept.
+    """
+    if not os.path.isdir(root):
+        return 0
+    with os.scandir(root) as entries:
+        candidates = [e.path for e in entries if e.name.startswith(TIER_PREFIX) and e.is_dir(follow_symlinks=False)
+                      and e.stat(follow_symlinks=False).st_uid == os.getuid()]
+    freed = 0
+    for folder in candidates:
+        try:
+            freed += _remove_if_stale(folder)
+        except FileNotFoundError:  # another run removed it meanwhile
+            continue
+        except OSError as error:
+            log.warning("Could not tell whether %s, a disk-tier directory, belongs to a run that is over (%s); "
+                        "it is kept.", folder, error)
+    return freed
+
+
+def _remove_if_stale(folder: str) -> int:
+    """Remove `folder` if its run is over; the bytes freed."""
+    why = _why_stale(folder)
+    if why is None:
+        return 0
+    held = _allocated_bytes(folder)
+    errors: list[str] = []
+    shutil.rmtree(folder, onerror=lambda _, path, info: errors.append(f"{path}: {info[1]}"))
+    left = _allocated_bytes(folder) if os.path.lexists(folder) else 0
+    if errors and os.path.lexists(folder):
+        log.warning("Could not remove %s, the disk-tier directory of a run that is over (%s): %s are still "
+                    "there (%s). Remove it by hand to free the space.", folder, why, _size(left), errors[0])
+    else:
+        log.warning("Removed %s, the disk-tier directory of a run that is over (%s): %s freed.",
+                    folder, why, _size(held - left))
+    return held - left
+
+
 class TierDirectory:
-    """A private directory of preallocated files under the user's `nvme_path`, removed when done."""
+    """A private directory of preallocated files under the user's `nvme_path`, removed when done.
+
+    Its owner file names this process, so that a later run can tell it was left behind; making one first
+    removes the directories that earlier runs left behind (`remove_stale_tier_folders`).
+    """
 
     def __init__(self, root: str) -> None:
         try:
             os.makedirs(root, exist_ok=True)
-            self.path = tempfile.mkdtemp(prefix="lightning-slide-", dir=root)
+            remove_stale_tier_folders(root)
+            self.path = _claimed_folder(root)
         except OSError as error:
             raise DiskTierError(f"nvme_path={root!r} is not a writable directory ({error.strerror}). Point "
                                 "nvme_path at a directory on a local disk you can write to.") from error
