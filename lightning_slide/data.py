@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from torch.utils.data import DataLoader, random_split
+from torch.utils.data import DataLoader, Dataset, Sampler, random_split
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 IGNORE_INDEX = -100
@@ -153,12 +156,102 @@ class TextDataModule(L.LightningDataModule):
         generator = torch.Generator().manual_seed(self.seed)
         self.train_set, self.val_set = random_split(examples, [len(examples) - n_val, n_val], generator)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Shuffled by (seed, epoch), its position saved in every checkpoint: a resumed run sees the same batches."""
+        return ResumableDataLoader(self.train_set, seed=self.seed, **self._loader_settings())
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return DataLoader(self.val_set, shuffle=False, **self._loader_settings())
 
-    def _loader(self, dataset: torch.utils.data.Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=self.collate,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+    def _loader_settings(self) -> dict[str, Any]:
+        return dict(batch_size=self.batch_size, collate_fn=self.collate, num_workers=self.num_workers,
+                    persistent_workers=self.num_workers > 0)
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of `range(size)` that is a function of `seed + epoch` alone (as in `DistributedSampler`).
+
+    Lightning calls `set_epoch` at the start of every epoch, so each epoch has its own order, and a run
+    resumed from a checkpoint recomputes the order of the epoch it stopped in: no generator state to save.
+    """
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _FromPosition(Sampler[int]):
+    """Another sampler's indices from position `start` on; `start` holds for one pass (the resumed one).
+
+    It also remembers the epoch Lightning last set, for samplers that have no `set_epoch` of their own.
+    """
+
+    def __init__(self, sampler: Sampler[int]) -> None:
+        self.sampler, self.epoch, self.start = sampler, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        return itertools.islice(iter(self.sampler), start, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class ResumableDataLoader(DataLoader):
+    """A `DataLoader` whose place in the data (epoch, samples handed out) is saved and restored by Lightning.
+
+    Lightning's fit loop stores `state_dict()` of a train loader that has one in the checkpoint, under
+    `loops.fit_loop.state_dict.combined_loader`, and calls `load_state_dict` before the resumed run iterates:
+    the run then continues with exactly the batches an uninterrupted run would have seen next. Samples count
+    as handed out when a batch leaves this loader, not when the sampler yields them: worker processes draw
+    indices ahead (prefetch), and those batches were never trained on. The resumed pass skips indices, not
+    data, so it starts without loading what it skips. By default the order is an `EpochShuffleSampler`'s;
+    a given `sampler` (e.g. the sequential one Lightning swaps in for `overfit_batches`) resumes the same way.
+    The loader draws worker seeds from a generator of its own, so data loading never moves the global RNG.
+    """
+
+    def __init__(self, dataset: Dataset, sampler: Sampler[int] | None = None, seed: int = 0, **settings: Any) -> None:
+        if sampler is None:
+            sampler = EpochShuffleSampler(len(dataset), seed)
+        settings.setdefault("generator", torch.Generator().manual_seed(seed))
+        super().__init__(dataset, sampler=_FromPosition(sampler), **settings)
+        self._position = {"epoch": 0, "samples": 0}  # of the latest pass
+        self._resume_at: dict[str, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches of the current epoch from its start, or (once, after `load_state_dict`) from the saved place.
+
+        A generator, so nothing runs until the first batch is asked for: by then Lightning has set the epoch.
+        """
+        sampler = self.sampler
+        resume, self._resume_at = self._resume_at, None
+        start = resume["samples"] if resume is not None and resume["epoch"] == sampler.epoch else 0
+        sampler.start = start
+        self._position = {"epoch": sampler.epoch, "samples": start}
+        for batch in super().__iter__():
+            self._position["samples"] = min(self._position["samples"] + self.batch_size, len(sampler))
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self._position)
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if set(state_dict) != {"epoch", "samples"}:
+            raise ValueError(f"A ResumableDataLoader state holds 'epoch' and 'samples'; this one holds "
+                             f"{sorted(state_dict)}. Resume from a checkpoint written with this train loader.")
+        self._resume_at = {"epoch": int(state_dict["epoch"]), "samples": int(state_dict["samples"])}
+        self._position = dict(self._resume_at)

@@ -57,6 +57,22 @@ class CausalLMModule(L.LightningModule):
         for metric in (self.train_acc, self.val_acc, self.val_nll):
             metric.to(self.device)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The global RNG states (Lightning saves none), so dropout after a resume draws what it would have."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "cuda": cuda}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._rng_states = checkpoint.get("rng_states")
+
+    def on_train_start(self) -> None:
+        """Saved RNG states are set only now: the strategy's setup draws from them (initialising placeholders)."""
+        states, self._rng_states = getattr(self, "_rng_states", None), None
+        if states is not None:
+            torch.set_rng_state(states["torch"])
+            if states["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(states["cuda"])
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         self.log("train/loss", out.loss, prog_bar=True)
