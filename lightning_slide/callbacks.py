@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import PreTrainedTokenizerBase
 
-from lightning_slide.export import DEFAULT_MAX_SHARD_SIZE, check_settings, save_hf_folder
+from lightning_slide.export import DEFAULT_MAX_SHARD_SIZE, check_settings, export_dtype, save_hf_folder, shard_bytes
 
 GIB = 2**30
 
@@ -80,6 +80,13 @@ class HFExport(Callback):
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.max_shard_size = max_shard_size
+
+    def host_bytes(self, pl_module: L.LightningModule) -> int:
+        """The export's extra host memory at its peak (one shard of casted copies), for the strategy's planner."""
+        dtype = export_dtype(pl_module.model, self.dtype)
+        unique = {id(p): p for p in pl_module.model.parameters()}.values()
+        whole = sum(p.numel() for p in unique) * torch.empty(0, dtype=dtype).element_size()
+        return min(whole, shard_bytes(self.max_shard_size))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         state = trainer.strategy.lightning_module_state_dict()

@@ -19,6 +19,7 @@ from lightning_slide.activations import DISK_BUFFERS
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram, host_headroom, process_rss
 from lightning_slide.config import SlideConfig
+from lightning_slide.layer_adam import WIDEN_ELEMS
 from lightning_slide.moments import READ_AHEAD, disk_units
 from lightning_slide.step_mode import StepMode
 from lightning_slide.tiers import align, direct_io
@@ -115,6 +116,7 @@ class Setup:
     training: bool = True  # an optimizer exists (fit); False for validate/predict
     mode: StepMode = StepMode()  # eager, accumulating or deferred: whether and how gradients wait on the host
     amsgrad: bool = False
+    export_bytes: int = 0  # host memory the end-of-training export adds at its peak (one shard of copies)
 
     @property
     def cuda(self) -> bool:
@@ -185,7 +187,7 @@ class Plan:
         tokens = micro_batch * seq_len
         acts = shape.saves * tokens * shape.hidden * setup.compute_bytes
         where = _saved_inputs_go(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
-        batch = (*_activations(shape, setup, tokens, acts, where), _held_gradients(shape, setup, tokens, where),
+        batch = (*_activations(shape, setup, tokens, acts, where), *_held_gradients(shape, setup, tokens, where),
                  _workspace(shape, setup, tokens), _kept_graphs(shape, setup, tokens))
         return Plan(tuple(e for e in batch if e.bytes > 0))
 
@@ -269,6 +271,9 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     if setup.training and setup.mode.sums:
         entries.append(Entry("fp32 gradient sums", setup.pinned, 4 * t,
                              "accumulate_grad_batches=1 and automatic optimization"))
+    if setup.training and setup.export_bytes:
+        entries.append(Entry("Hugging Face export at the end (one shard being written)", "ram", setup.export_bytes,
+                             "a smaller export.max_shard_size"))
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))
     shadowed = n if setup.config.h2d_source == "shadow" and setup.low_precision else master_on_disk
@@ -347,18 +352,22 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
                   "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
 
 
-def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) -> Entry:
+def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) -> list[Entry]:
     """engine.py `_gradient_home`: a deferred step without sums holds each unit's gradient in the compute dtype,
     in the pinned buffer of one of the unit's saved inputs where that is large enough (every unit but the
     embedding saves hidden states), else in a buffer of its own."""
     if not (setup.training and setup.mode.holds_grads) or setup.mode.sums:
-        return Entry("held gradients", setup.pinned, 0)
+        return []
     c = setup.compute_bytes
     lendable = tokens * shape.hidden * c if where == "cpu" else 0
     own = sum(u.trainable * c for i, u in enumerate(shape.units) if i == 0 or u.trainable * c > lendable)
     dtype = str(setup.dtype).removeprefix("torch.")
-    return Entry(f"held gradients ({dtype}, for the step's norm; the rest in saved-input buffers)", setup.pinned,
-                 own, "gradient_clip_val=None (no clipping)")
+    entries = [Entry(f"held gradients ({dtype}, for the step's norm; the rest in saved-input buffers)",
+                     setup.pinned, own, "gradient_clip_val=None (no clipping)")]
+    if setup.low_precision:
+        entries.append(Entry("fp32 widening piece of held gradients", "ram",
+                             4 * min(WIDEN_ELEMS, max(u.trainable for u in shape.units))))
+    return entries
 
 
 def _disk_staging(setup: Setup, nbytes: int) -> Entry:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
 
+from lightning_slide.callbacks import HFExport
 from lightning_slide.checkpoint_io import AtomicCheckpointIO
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
@@ -154,6 +155,7 @@ class SlideStrategy(SingleDeviceStrategy):
         setup = Setup(
             self.config, self.root_device.type, dtype, training=optimizer is not None, mode=self.mode,
             amsgrad=optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups),
+            export_bytes=sum(cb.host_bytes(module) for cb in trainer.callbacks if isinstance(cb, HFExport)),
         )
         shape, self.plan = plan_for_run(module, optimizer, setup)
         resources = Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module))

@@ -303,3 +303,19 @@ def test_a_clipped_8b_step_holds_bf16_gradients_outside_saved_input_buffers_only
     units = shape.units if own == "all" else (shape.units[0], shape.units[-1])
     assert held.bytes == 2 * sum(u.trainable for u in units)
     assert not any("sums" in e.what for e in plan.entries)
+
+
+def test_the_plan_counts_one_shard_of_the_hugging_face_export(tmp_path):
+    from lightning_slide.callbacks import HFExport
+
+    module = CausalLM(tiny_model("llama"))
+    plans = []
+
+    class Grab(Callback):
+        def on_train_start(self, trainer, pl_module):
+            plans.append(trainer.strategy.plan)
+
+    export = HFExport(tmp_path / "hf", dtype="float32", max_shard_size="20KB")
+    trainer(SlideStrategy(), 1, callbacks=[export, Grab()]).fit(module, DataLoader(token_batches(1), batch_size=None))
+    entry = next(e for e in plans[0].entries if e.what.startswith("Hugging Face export"))
+    assert entry.bytes == 20_000 == export.host_bytes(module)
