@@ -117,8 +117,9 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         strategy=SlideStrategy(**c["offload"]),  # offload=none: plain single-device training
         default_root_dir=run_dir,
         logger=[CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tensorboard", version="")],
+        enable_checkpointing=c["checkpoint"] is not None,  # checkpoint=null: no checkpoints (e.g. too little disk)
         callbacks=[
-            checkpoints(c["checkpoint"], run_dir),
+            *([checkpoints(c["checkpoint"], run_dir)] if c["checkpoint"] is not None else []),
             ThroughputMemoryMonitor(),
             HFExport(run_dir / "hf_model", tokenizer, **c["export"]),
         ],
