@@ -25,18 +25,19 @@ def test_fp32_on_cuda_matches_adamw_without_kernels(accumulate):
     assert relative_difference(expected, got.model) <= 1e-5
 
 
-def test_held_bf16_gradients_on_cuda_train_exactly_as_fp32_sums_of_the_same_gradients():
-    """A clipped step holds bf16 gradients copied straight from the GPU; widened they equal fp32 sums."""
+@pytest.mark.parametrize("rows, activations", [(2, "auto"), (32, "cpu")], ids=["own-buffers", "saved-input-buffers"])
+def test_held_bf16_gradients_on_cuda_train_exactly_as_fp32_sums_of_the_same_gradients(rows, activations):
+    """A clipped step holds bf16 gradients copied straight from the GPU (into buffers of their own, or into the
+    pinned buffers their units' saved inputs just left); widened they equal fp32 sums."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     from lightning_slide import SlideStrategy
 
-    model, batches = tiny_model("llama"), token_batches(STEPS)
-    held = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=0.05, precision="bf16-mixed",
-               accelerator="gpu")
-    sums = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=0.05, precision="bf16-mixed",
-               accelerator="gpu", callbacks=[GradientAccumulationScheduler({0: 1, 1000: 2})])
-    assert all(torch.equal(p, q) for p, q in zip(held.model.parameters(), sums.model.parameters()))
+    model, batches = tiny_model("llama"), token_batches(STEPS, batch=rows)
+    runs = [fit(model, batches, SlideStrategy(use_kernels=False, activations=activations), STEPS, clip=0.05,
+                precision="bf16-mixed", accelerator="gpu", callbacks=callbacks)
+            for callbacks in ([], [GradientAccumulationScheduler({0: 1, 1000: 2})])]
+    assert all(torch.equal(p, q) for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters()))
 
 
 @pytest.mark.parametrize(
