@@ -39,4 +39,8 @@ def available_vram(device: torch.device) -> int:
 
 
 def available_disk(path: str) -> int:
-    return shutil.disk_usage(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))).free
+    """Free space where `path` is or will be made (its nearest existing ancestor)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free

@@ -325,7 +325,9 @@ class SlideEngine:
         On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits), so that
         the engine wraps the patched modules.
         """
-        if getattr(self.model, "is_activation_checkpointing", getattr(self.model, "is_gradient_checkpointing", False)):
+        checkpointing = "is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing") else (
+            "is_gradient_checkpointing")  # the older name (a deprecation warning where both exist)
+        if getattr(self.model, checkpointing, False):
             self.model.gradient_checkpointing_disable()
         if getattr(self.model.config, "use_cache", False):
             self.model.config.use_cache = False

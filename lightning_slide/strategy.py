@@ -34,7 +34,7 @@ from lightning_slide.materialize import meta_parameters
 from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
 from lightning_slide.precision import SlidePrecision
 from lightning_slide.step_mode import StepMode
-from lightning_slide.tiers import backend_name, direct_io
+from lightning_slide.tiers import backend_name, direct_io, remove_stale_tier_folders
 
 
 def _token_shape(batch: Any) -> tuple[int, int] | None:
@@ -158,6 +158,8 @@ class SlideStrategy(SingleDeviceStrategy):
             export_bytes=sum(cb.host_bytes(module) for cb in trainer.callbacks if isinstance(cb, HFExport)),
         )
         shape, self.plan = plan_for_run(module, optimizer, setup)
+        if self.config.offload == "nvme":  # folders of killed runs: their space counts as free
+            remove_stale_tier_folders(self.config.nvme_path)
         resources = Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module))
         if self.config.offload == "nvme" and self.config.nvme_moments is None and optimizer is not None:
             self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))

@@ -149,7 +149,7 @@ def test_micro_batches_of_changing_size_give_the_parameters_of_a_fixed_window_th
 def test_master_weights_and_gradient_sums_are_pinned_and_unpinned_at_close():
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cuda"),
-                         torch.bfloat16, StepMode(clip_norm=1.0))
+                         torch.bfloat16, StepMode(accumulates=True, clip_norm=1.0))
     assert all(s.pinned and s.acc_pinned for s in engine.storages)
     engine.close()
     assert not any(s.pinned or s.acc_pinned for s in engine.storages)

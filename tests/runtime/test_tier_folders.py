@@ -120,3 +120,24 @@ def test_the_owner_file_names_this_process(tmp_path):
     assert owner == {"pid": os.getpid(), "host": socket.gethostname(), "started": psutil.Process().create_time()}
     directory.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plan_of_a_disk_tier_run_sees_the_space_a_killed_runs_folder_held(tmp_path, monkeypatch):
+    from torch.utils.data import DataLoader
+
+    from lightning_slide import SlideStrategy
+    from lightning_slide.planner import Resources
+    from tests.runtime.helpers import CausalLM, tiny_model, token_batches, trainer
+
+    stale = killed(_tier_with_a_file(tmp_path))
+    seen: list[bool] = []
+    probe = Resources.probe.__func__
+
+    def recording(cls, *args, **kwargs):
+        seen.append(os.path.exists(stale))
+        return probe(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Resources, "probe", classmethod(recording))
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path))
+    trainer(strategy, 1).fit(CausalLM(tiny_model("llama")), DataLoader(token_batches(1), batch_size=None))
+    assert seen and not any(seen)
