@@ -7,8 +7,8 @@ Each `train.py` runs in its own process (`benchmarks.cli`, under the GPU cap), p
 RSS, its checkpoint files (when a save starts and ends) and its export folder. With `--crash` the first run is
 SIGKILLed once its first checkpoint is complete, and a second run resumes from `last.ckpt` to the end. Without
 it, checkpointing is off (`checkpoint=null`: for a model whose checkpoint the disk cannot hold). Writes
-DIR/e2e-<model>.json (one record: command lines, step rate, peaks against the plan, save and export times, the
-reload check) and the runs' logs.
+DIR/e2e-<model>.json: one record with the command lines, step rate, peaks against the plan, save and export
+times, the reload check and the tail of each run's log (whole logs stay in the work folder).
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ def _observe(run_dir: Path, watch: Watch, t: float) -> None:
         span = watch.saves.setdefault(name, [t, None])
         if not writing and span[1] is None:
             span[1] = t
-    exporting = [p for p in run_dir.glob("*hf_model*") if p.name != "hf_model"]
-    if exporting and not watch.export_s:
+    if (run_dir / ".hf_model.partial").exists() and not watch.export_s:  # the export writes there, then renames
         watch.export_s = [t, None]
     if (run_dir / "hf_model").is_dir() and watch.export_s and watch.export_s[1] is None:
         watch.export_s[1] = t
@@ -76,13 +75,14 @@ def _saved(watch: Watch) -> bool:
         end is not None for name, (_, end) in watch.saves.items() if name != "last.ckpt")
 
 
-def run_cli(name: str, overrides: list[str], out: Path, run_dir: Path, cap_gib: float | None,
+def run_cli(name: str, overrides: list[str], work: Path, run_dir: Path, cap_gib: float | None,
             kill_after_save: bool = False, timeout_s: float = 540) -> dict:
-    """One `train.py` process; with `kill_after_save`, SIGKILL it once its first checkpoint is complete."""
-    peaks = out / f"{name}-peaks.json"
+    """One `train.py` process; with `kill_after_save`, SIGKILL it once its first checkpoint is complete. Its log
+    and peaks go to `work`; the record keeps the log's tail."""
+    peaks = work / f"{name}-peaks.json"
     cmd = [sys.executable, "-m", "benchmarks.cli", *(["--cap-gib", str(cap_gib)] if cap_gib else []),
            "--peaks", str(peaks), "--", *overrides, f"hydra.run.dir={run_dir}"]
-    log = (out / f"{name}.log").open("w")
+    log = (work / f"{name}.log").open("w")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
     watch = Watch()
@@ -105,7 +105,8 @@ def run_cli(name: str, overrides: list[str], out: Path, run_dir: Path, cap_gib: 
               "export_s": watch.export_s[1] - watch.export_s[0] if watch.export_s and watch.export_s[1] else None}
     if peaks.is_file():
         record.update(json.loads(peaks.read_text()))
-    text = (out / f"{name}.log").read_text(errors="replace")
+    text = (work / f"{name}.log").read_text(errors="replace")
+    record["log_tail"] = text.splitlines()[-40:]
     plan = re.findall(r"expected peak host RSS of the run: ([\d.]+) GiB", text)
     record["planned_peak_rss_gib"] = float(plan[-1]) if plan else None
     record.update(_metrics(run_dir))
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=10)
     parser.add_argument("--crash", action="store_true", help="SIGKILL after the first checkpoint, then resume")
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--deadline-s", type=float, default=540, help="the whole run's time limit")
     parser.add_argument("--reload", nargs=4, metavar=("FOLDER", "CKPT", "SEQ", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reload:
@@ -182,22 +184,30 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(reload_check(Path(folder), Path(ckpt) if ckpt != "-" else None, int(seq), int(batch))))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    run_dir = args.work / args.model
+    run_dir, logs = args.work / args.model, args.work / f"{args.model}-logs"
     shutil.rmtree(run_dir, ignore_errors=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    end = time.perf_counter() + args.deadline_s
     overrides = [f"model={args.model}", f"data.batch_size={args.batch_size}", f"data.seq_len={args.seq_len}",
                  f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.val_every}",
                  "trainer.log_every_n_steps=5", "+trainer.limit_val_batches=4"]
     if not args.crash:
         overrides.append("checkpoint=null")
-    runs = [run_cli("first", overrides, args.out, run_dir, args.cap_gib, kill_after_save=args.crash)]
+    runs = [run_cli("first", overrides, logs, run_dir, args.cap_gib, kill_after_save=args.crash,
+                    timeout_s=end - time.perf_counter())]
     if args.crash:
-        runs.append(run_cli("resumed", [*overrides, f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"], args.out,
-                            run_dir, args.cap_gib))
+        runs.append(run_cli("resumed", [*overrides, f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"], logs,
+                            run_dir, args.cap_gib, timeout_s=end - time.perf_counter()))
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    check = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(args.out), "--reload",
-                            str(run_dir / "hf_model"), str(ckpt) if ckpt.exists() else "-", str(args.seq_len),
-                            str(args.batch_size)], cwd=REPO, capture_output=True, text=True, env=_env())
-    reload = json.loads(check.stdout.strip().splitlines()[-1]) if check.returncode == 0 else {"error": check.stderr[-2000:]}
+    try:
+        check = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(args.out), "--reload",
+                                str(run_dir / "hf_model"), str(ckpt) if ckpt.exists() else "-", str(args.seq_len),
+                                str(args.batch_size)], cwd=REPO, capture_output=True, text=True, env=_env(),
+                               timeout=max(10.0, end - time.perf_counter()))
+        reload = (json.loads(check.stdout.strip().splitlines()[-1]) if check.returncode == 0
+                  else {"error": check.stderr[-2000:]})
+    except subprocess.TimeoutExpired:
+        reload = {"error": "the reload check ran past the deadline"}
     record = {"case": f"e2e-{args.model}", "system": "lightning-slide CLI (train.py)", "model_key": args.model,
               "micro_batch": args.batch_size, "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib,
               "steps": args.steps, "crash_and_resume": args.crash, "runs": runs, "reload": reload,
