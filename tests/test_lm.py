@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import lightning_slide.lm as lm
 from lightning_slide.data import IGNORE_INDEX
 from lightning_slide.lm import CausalLMModule, adamw_param_groups
 from lightning_slide.models import build_model, model_config
@@ -54,7 +55,10 @@ def test_optimizer_is_plain_adamw_with_stepwise_warmup_then_cosine():
     assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)
 
 
-def test_validation_loss_is_the_models_token_mean_loss_and_ppl_its_exp():
+@pytest.mark.parametrize("slice_bytes", [lm.VAL_LOGITS_BYTES, 7 * 258 * 4], ids=["whole-batch", "seven-token-slices"])
+def test_validation_loss_is_the_models_token_mean_loss_and_ppl_its_exp(slice_bytes, monkeypatch):
+    """Also when the head's logits are made a few tokens at a time (they never exist for the whole batch)."""
+    monkeypatch.setattr(lm, "VAL_LOGITS_BYTES", slice_bytes)
     model = small_model().eval()
     batch = random_batches(1)[0]
     with torch.no_grad():
@@ -90,7 +94,8 @@ class FusedLossModel(torch.nn.Module):
         return out
 
 
-def test_fused_loss_trains_and_still_validates_accuracy():
+def test_fused_loss_trains_and_still_validates_accuracy(monkeypatch):
+    monkeypatch.setattr(lm, "VAL_LOGITS_BYTES", 7 * 258 * 4)  # a model without a decoder to call apart: whole logits
     module = CausalLMModule(FusedLossModel(small_model()))
     fit = trainer(max_steps=2, val_check_interval=2, num_sanity_val_steps=0)
     batches = DataLoader(random_batches(2), batch_size=None)
