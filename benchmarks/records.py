@@ -29,9 +29,9 @@ TRAFFIC = {
 HINTS = {
     "gpu_compute": "recompute costs 8NT instead of 6NT: keep more activations in spare VRAM, fuse kernels",
     "pcie": "fewer PCIe bytes per param: more units resident (slots), h2d_source='shadow' where PCIe and not host "
-            "memory binds (benchmarks/results/TRIED.md)",
+            "memory binds (docs/alternatives.md)",
     "cpu_update": "fewer host-memory bytes per param in and around the update, or a faster update where the "
-                  "optimizer thread is not busy most of the step (benchmarks/results/TRIED.md lists what lost)",
+                  "optimizer thread is not busy most of the step (docs/alternatives.md lists what lost)",
 }
 EXPOSED_MEANING = (
     "compute-stream idle per step, from a CUDA profile of steps after the timed window: the profiled step "

@@ -259,7 +259,7 @@ def load(folder: Path) -> list[dict]:
 
 
 def copy_results(src: Path, dest: Path, records: list[dict]) -> None:
-    """The run's files plus one `<case>.json` per case (the form RESULTS.md asks for) into `dest`."""
+    """The run's files plus one `<case>.json` per case (each record readable on its own) into `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("results.jsonl", "summary.md", *PLOTS):
         if (src / name).exists():

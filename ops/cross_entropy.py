@@ -1,83 +1,46 @@
 """Fused linear cross-entropy: `mean CE(hidden @ W.T (+ b), targets)` without the full logits.
 
-A causal LM's loss head multiplies every token's hidden state by a vocabulary-sized matrix; for
-16k tokens and a 128k vocabulary the fp32 logits alone are 8 GiB. We compute the logits a block
-at a time into one reused buffer sized to a memory budget (default 63 MiB) and finish the
-gradients during the forward (backward only scales them by the incoming gradient). Two
-schedules (`schedule=`) walk the T x V logits in different blocks; all share the logits GEMM
-(cuBLAS, input dtype, fp32 accumulation) and row-wise Triton kernels that turn a block of logits
-into d(loss)/d(logits) in place.
+For 16k tokens and a 128k vocabulary the fp32 logits alone are 8 GiB. The logits are computed a block at a
+time into one reused buffer of `chunk_mib` (default 63 MiB: the transient memory stays under 64 MiB), and the
+gradients are finished during the forward (backward only scales them by the incoming gradient). Every schedule
+shares the logits GEMM (cuBLAS, input dtype, fp32 accumulation) and row-wise Triton kernels that turn a block
+of logits into d(loss)/d(logits) in place. The schedules (`schedule=`) trade GEMM shape against recomputation:
 
-`"rows"`: chunks of R whole rows (256 at vocab 128256, bf16). For each chunk:
+- `"rows"`: chunks of whole rows; per chunk grad_x = dlogits @ W and grad_W += dlogits.T @ x_c. 6·T·H·V FLOPs
+  (as Liger-Kernel; Cut Cross-Entropy recomputes, 8·T·H·V), but every chunk reads and writes all of grad_W:
+  8·T·V²·H/B bytes for a buffer of B bytes (~125 GiB at 16k tokens, vocab 128256, hidden 4096), memory-bound.
+- `"vocab"`: vocabulary slices over all rows in two passes (an online log-sum-exp, 3 fp32 a row; then each
+  slice's logits again, into gradients): grad_W[slice] is written once and grad_x accumulated per slice,
+  8·V·T²·H/B bytes (T/V of the row schedule's), for a fourth GEMM (8·T·H·V FLOPs).
+- `"tiles"` (the default): the vocab schedule over blocks of at least `TILE_ROWS` (512) rows, the vocabulary cut
+  into the fewest equal slices that fit beside them (two at 128256, three at 151936). 7·T·H·V FLOPs at two
+  slices, and a block's grad_W update does 256 FLOPs per byte it moves, above the H200's ~200 FLOP/B ridge.
+  On an H200 (bf16, hidden 4096, 4k-64k tokens, vocab 128256 and 151936) it is the fastest of the three in four
+  of six shapes and within 2.2% in the other two; at 64 MiB none of them is as fast as Liger-Kernel at 16k tokens,
+  which takes about twice the memory (`docs/alternatives.md` has the times).
 
-1. logits = x_c @ W.T into the buffer;
-2. one Triton program per row computes the log-sum-exp online over vocabulary blocks, writes the
-   row's loss, and overwrites the logits in place with d(loss)/d(logits);
-3. grad_x[c] = dlogits @ W (a full-vocab reduction, written once) and grad_W += dlogits.T @ x_c.
+Sums are rounded into the output dtype once per chunk, slice or block (grad_W in the weight's dtype, as Liger's
+default): an fp32 accumulator for grad_x would be T·H·4 bytes, four times the buffer at 16k x 4096.
 
-So it takes 6·T·H·V FLOPs in all, as Liger does, against 8·T·H·V for recomputing designs such as
-Cut Cross-Entropy. grad_W accumulates in the weight's dtype (bf16 for a bf16 head, like Liger's
-default): each chunk's product is summed in fp32 inside cuBLAS, then rounded once into grad_W, so
-a 16k-token bf16 head takes 64 roundings of its running sum. Its cost at 64 MiB is that update:
-each chunk reads and writes all of grad_W, 8·T·V²·H/B bytes in all for a budget of B bytes
-(~125 GiB, ~30 ms at 16k tokens, vocab 128256, hidden 4096), memory-bound next to compute-bound
-GEMMs.
+On CUDA (`overlap=True`) each block's grad_x GEMM runs on a second, high-priority stream beside its grad_W
+update: grad_x has only a few hundred x 4096 outputs (about 64 tiles for 132 SMs at 256 rows), and the
+memory-bound grad_W update takes the SMs it leaves. The second stream costs cuBLAS one more workspace.
 
-Why the chunk's two gradient GEMMs overlap (`overlap=True`, on CUDA): with 256-row chunks the
-grad_W update is memory-bound (it reads and writes all of grad_W, 2 GB at vocab 128256, for
-0.27 TFLOP of work), while grad_x = dlogits @ W has only 256 x 4096 outputs, about 64 output tiles
-for 132 SMs unless cuBLAS splits its 128k-long reduction (the 1.7 ms per chunk measured on one
-stream fits half the SMs idling through it). Both only read the chunk's dlogits, so grad_x runs
-on a second, high-priority stream, queued first so its blocks are placed first, and the grad_W
-update takes the SMs it leaves; the next chunk's logits wait for both. The second stream costs
-cuBLAS one more workspace (kept per stream from first use, so not part of each call's memory).
-
-`"vocab"` (vocabulary-outer): slices of Vc columns over all T rows (T x Vc logits fit the budget:
-Vc = 1920 at 16k tokens). Pass 1 walks the slices and keeps per row the running max and sum of an
-online log-sum-exp and the target's logit (3 fp32 per token). Pass 2 walks them back, recomputes
-each slice's logits (not the last one's: still in the buffer), turns them into dlogits, writes
-grad_W[slice] = dlogits.T @ x once, and accumulates grad_x += dlogits @ W[slice]. The
-read-modify-write traffic moves from grad_W (V x H, per row chunk) to grad_x (T x H, per slice):
-8·V·T²·H/B bytes, smaller than the row schedule's by T/V (~16 GiB at 16k tokens), at the price of
-a fourth GEMM (8·T·H·V FLOPs, less one slice). grad_x accumulates in its own dtype, one rounding
-per slice (67 at 16k tokens, vocab 128256), as grad_W does in the row schedule: an fp32
-accumulator would be T x H x 4 bytes, 256 MiB at 16k x 4096, four times the budget. Its bias
-gradient is summed per slice in fp32, also written once. `overlap` puts grad_x beside grad_W
-here too (in the tiles schedule below that matters: a block's grad_x has only 512 x 4096 outputs).
-
-`"tiles"`: the vocab schedule over blocks of rows, so that neither the row count of a GEMM nor the
-number of recomputed slices is extreme. A block has at least `TILE_ROWS` (512) rows and the vocabulary
-is cut into the fewest equal slices that fit beside them: two at vocab 128256 (512 x 64128), three at
-151936 (640 x 50688). Each block recomputes all but its last slice, 7·T·H·V FLOPs at two slices (7.33
-at three), against the row schedule's 6 plus its grad_W traffic: with 512 rows a block's grad_W update
-does 256 FLOPs per byte of grad_W it reads and writes, above the H200's ~200 FLOP/B ridge, and there
-are half as many of them. grad_x is rounded once per slice, grad_W once per block (32 times at 16k).
-
-Measured (H200, bf16, hidden 4096, fwd+bwd, benchmarks/results/s7/ops), ms at vocab 128256 / 151936
-within the 64 MiB budget: 4k tokens: tiles 25.2 / 33.0, rows 27.1 / 35.7, vocab 27.2 / 32.5; 16k: 105.0 /
-128.6, 107.6 / 141.1, 106.7 / 125.9; 64k: 424.1 / 525.0, 435.8 / 576.4, 504.0 / 592.0. The tiles schedule
-is the default: the fastest of the three in four of the six, within 2% in the other two. None beats the
-fastest baseline: at 16k Liger-Kernel takes 89.6 / 105.6 ms (126 / 149 MiB) and Cut Cross-Entropy 91.3 /
-105.5 (~2 MiB); 256 MiB row chunks take 83.5 / 99.4. At 64 MiB every schedule pays either GEMMs of a few
-hundred rows or recomputed logits. A schedule of two half-size row buffers, one chunk's grad_W update
-beside the next chunk's GEMMs, was measured and removed (s5/ops: 178.8 ms at 16k tokens, since halving the
-chunks doubles every pass over W).
-
-Options: logit softcapping `c·tanh(z/c)`, a z-loss `w·lse²`, Hugging Face's `num_items_in_batch`
-normaliser, and a bias. With every label ignored the loss is 0, not NaN.
+Options: logit softcapping `c·tanh(z/c)`, a z-loss `w·lse²`, Hugging Face's `num_items_in_batch` normaliser,
+a bias. With every label ignored the loss is 0, not NaN.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 import triton.language as tl
 from torch import nn
 
-from ops._triton import Kernel, device_function, launch_options, next_pow2, use_triton
+from ._triton import Kernel, device_function, launch_options, next_pow2, use_triton
 
 IGNORE_INDEX = -100
 CHUNK_MIB = 63.0  # logits buffer budget: keeps the transient memory under 64 MiB
