@@ -12,10 +12,10 @@ runs in several of our variants (`LCE_VARIANTS`: schedule, overlap on or off, ch
 beside the baselines, so one run decides the default. One JSON file per case goes to --out, plus a
 plot. `--only` restricts the run to some kernels (`KERNELS`), e.g. the loss alone.
 
-    python benchmarks/bench_ops.py --out benchmarks/results            # H200: about 3-4 minutes
+    python benchmarks/bench_ops.py --out /tmp/ops                      # H200: about 3-4 minutes
     python benchmarks/bench_ops.py --out /tmp/lce --only linear_cross_entropy
     python benchmarks/bench_ops.py --out /tmp/smoke --smoke            # CPU, Triton interpreter, tiny
-    python benchmarks/bench_ops.py --plot benchmarks/results           # redraw the plot from JSON
+    python benchmarks/bench_ops.py --plot /tmp/ops                     # redraw the plot from its JSON files
 
 A system that cannot run a case (not installed, out of memory, unsupported) is recorded with
 `"ok": false` and its error, not skipped.

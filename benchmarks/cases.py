@@ -1,7 +1,7 @@
 """The benchmark cases, their suites, and the order they run in (plain Python, no torch).
 
-A suite lists case names in priority order: the runner runs them in that order and skips what no
-longer fits its time budget, so the cases a suite exists for come first.
+A suite lists cases in priority order: the runner runs them in that order and, given a wall-time budget
+(`--budget-s`), skips what would no longer fit, so the cases a suite exists for come first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SYSTEMS = {
     "slide": "lightning-slide",
 }
 OFFLOAD_SYSTEMS = ("ds2", "ds3", "slide")
-NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder (the GPU machine has one virtio disk, no NVMe)
+NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder: any local disk (emptied before and after a case)
 Settings = tuple[tuple[str, object], ...]
 Grow = Literal["micro_batch", "seq_len"]
 
@@ -31,11 +31,12 @@ Grow = Literal["micro_batch", "seq_len"]
 class Case:
     """One measurement: a system training one model at one batch shape under one VRAM cap.
 
-    est_s is the expected wall time of the whole case process on the GPU machine (start-up, model
-    build, setup, steps): the runner skips a case when less than that is left of its budget.
+    est_s is the expected wall time of the whole case process on an H200 machine (start-up, model
+    build, setup, steps; benchmarks.estimate): under `--budget-s` the runner skips a case when less than
+    that is left, and it kills a case that overruns its estimate several times over.
     profile_steps run after the timed window under the CUDA profiler (benchmarks.gpu_idle): one that
-    leads in, the others measure the compute stream's idle time. known_failure says why the case is not
-    run unless asked (it was seen failing before). clip is the Trainer's gradient_clip_val (train.py's default
+    leads in, the others measure the compute stream's idle time. known_failure says how the case fails
+    on an H200 machine (16 cores, 126 GiB RAM); it is recorded as skipped unless asked for. clip is the Trainer's gradient_clip_val (train.py's default
     is 1.0): lightning-slide then updates only after the backward, once the global norm is known.
     A ladder (rungs given) trains steps_per_rung steps at each size of `grow` in one process and stops
     at the first failure or when its next rung would pass time_cap_s (benchmarks.ladder).
@@ -150,9 +151,9 @@ def ladder_rung_s(case: Case, size: int, measured_step_s: float | None = None, a
     return case.steps_per_rung * step(size) * scale + estimate.pin_s(case.system, case.model, *case.rung_shape(size))
 
 
-_DS3_8B_HOST_OOM = ("ANCHORS 2026-11-29: host memory climbed to 122 GiB during setup and the process "
-                    "was killed before the first step")
-_DS3_3B_MB32_OOM = "ANCHORS 2026-11-29: CUDA out of memory allocating 15.66 GiB (the full logits tensor)"
+_DS3_8B_HOST_OOM = ("host memory climbs to 122 GiB of 126 during setup and the process is killed before the "
+                    "first step")
+_DS3_3B_MB32_OOM = "CUDA out of memory under the 24 GiB cap, allocating 15.66 GiB (the full logits tensor)"
 SLOTS_AUTO: Settings = (("slots", "auto"),)
 RECOMPUTE_ALWAYS: Settings = (("recompute", "always"),)  # the default ("auto") keeps graphs where VRAM is spare
 
@@ -163,7 +164,7 @@ def nvme(moments: float) -> Settings:
 
 
 def _targets() -> list[Case]:
-    """The cases the four targets need, in priority order (ZeRO-2 last: it runs if the budget has room)."""
+    """The cases the four targets need, in priority order: the probe and the ratios' two sides first."""
     return [
         make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
         make("slide", "llama3_3b", 8),
@@ -179,50 +180,70 @@ def _targets() -> list[Case]:
     ]
 
 
-def _grid() -> list[Case]:
-    """lightning-slide at micro-batch 1/8/32/64 for 1B, 3B and 8B (seq 1024), cheapest first."""
-    cases = [make("slide", model, mb) for model in ("llama3_1b", "llama3_3b", "llama3_8b") for mb in (1, 8, 32, 64)]
-    return sorted(cases, key=lambda case: case.est_s)
-
-
-def _more() -> list[Case]:
-    """The other fixed cases: the grid, remaining baselines, the long sequence, the settings, known failures."""
-    return _grid() + [
-        make("slide", "llama3_8b", 1, seq_len=16384),
-        make("slide", "llama3_8b", 8, slide_settings=SLOTS_AUTO),
-        make("slide", "llama3_8b", 64, slide_settings=SLOTS_AUTO),
-        make("slide", "llama3_8b", 8, slide_settings=nvme(0.0)),
-        make("slide", "llama3_8b", 8, slide_settings=nvme(0.25)),
+def _recompute() -> list[Case]:
+    """Kept graphs (`recompute="auto"`, the default) against `recompute="always"` at 1B 32x1024 and 3B 8x1024,
+    with the 1B ceiling and 3B ZeRO-3 offload of the same run."""
+    return [
+        make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
+        make("slide", "llama3_3b", 8),
+        make("ds3", "llama3_3b", 8),
+        make("slide", "llama3_1b", 32),
         make("slide", "llama3_1b", 32, slide_settings=RECOMPUTE_ALWAYS),
+        make("ceiling", "llama3_1b", 32, cap_gib=None),
         make("slide", "llama3_3b", 8, slide_settings=RECOMPUTE_ALWAYS),
-        make("slide", "llama3_8b", 64, slide_settings=(("block_grad_buffers", 6),)),
-        make("slide", "llama3_8b", 8, slide_settings=(("chunk_elems", 1 << 22),)),
-        make("slide", "llama3_8b", 64, slide_settings=(("loss_chunk_mib", 256),)),
-        *(make("slide", "llama3_3b", mb, clip=1.0) for mb in (8, 64)),  # 8B with fp32 sums: 120 GiB of host
+    ]
+
+
+def _baselines() -> list[Case]:
+    """lightning-slide at 3B 8x1024 beside ZeRO-2 offload and plain training (capped and uncapped), the
+    ceilings the targets run leaves out, and the DeepSpeed shapes known to fail."""
+    return [
+        make("slide", "llama3_3b", 8),
+        make("ds2", "llama3_3b", 8),
+        *(make("plain", model, 8, cap_gib=None) for model in ("llama3_3b", "llama3_8b", "llama3_1b")),
+        make("ceiling", "llama3_3b", 8, cap_gib=None),
+        make("plain", "llama3_1b", 32, cap_gib=None),
         make("plain", "llama3_1b", 16),
         make("plain", "llama3_3b", 8),
-        *(make("plain", model, 8, cap_gib=None) for model in ("llama3_1b", "llama3_3b", "llama3_8b")),
         make("ds3", "llama3_8b", 8, known_failure=_DS3_8B_HOST_OOM),
         make("ds3", "llama3_3b", 32, known_failure=_DS3_3B_MB32_OOM),
     ]
 
 
+def _grid() -> list[Case]:
+    """lightning-slide at micro-batch 1/8/32/64 for 1B, 3B and 8B (seq 1024), cheapest first, then one
+    sequence of 16k tokens at 8B."""
+    cases = [make("slide", model, mb) for model in ("llama3_1b", "llama3_3b", "llama3_8b") for mb in (1, 8, 32, 64)]
+    return sorted(cases, key=lambda case: case.est_s) + [make("slide", "llama3_8b", 1, seq_len=16384)]
+
+
+def _settings() -> list[Case]:
+    """lightning-slide's non-default settings at 8B, each after the default of the same shape."""
+    return [
+        make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
+        make("slide", "llama3_8b", 8),
+        make("slide", "llama3_8b", 8, slide_settings=SLOTS_AUTO),
+        make("slide", "llama3_8b", 8, slide_settings=(("chunk_elems", 1 << 22),)),
+        make("slide", "llama3_8b", 8, slide_settings=nvme(0.0)),
+        make("slide", "llama3_8b", 8, slide_settings=nvme(0.25)),
+        make("slide", "llama3_8b", 64),
+        make("slide", "llama3_8b", 64, slide_settings=SLOTS_AUTO),
+        make("slide", "llama3_8b", 64, slide_settings=(("block_grad_buffers", 6),)),
+        make("slide", "llama3_8b", 64, slide_settings=(("loss_chunk_mib", 256),)),
+    ]
+
+
 def _ladders() -> list[Case]:
-    """The most informative ladders (~6 min): how far lightning-slide goes at 3B and 8B."""
+    """How far each system goes under the 24 GiB cap (largest micro-batch at seq 1024, longest single sequence),
+    lightning-slide first; ZeRO-3 offload at 8B is a known failure (host RAM during setup)."""
+    seqs = (8192, 16384, 32768)
     return [
         ladder("slide", "llama3_3b", "micro_batch", (64, 96, 128), time_cap_s=120),
         ladder("slide", "llama3_8b", "micro_batch", (64, 96, 128), time_cap_s=130),
         ladder("slide", "llama3_8b", "seq_len", (32768, 65536, 131072), time_cap_s=130, steps_per_rung=1),
-    ]
-
-
-def _ladders_rest() -> list[Case]:
-    """Every other system and dimension: DeepSpeed ZeRO-3 and ZeRO-2, capped plain, 3B sequences."""
-    seqs = (8192, 16384, 32768)
-    return [
+        ladder("slide", "llama3_3b", "seq_len", (32768, 65536, 131072), time_cap_s=150, steps_per_rung=1),
         ladder("ds3", "llama3_3b", "micro_batch", (8, 16, 24, 32), time_cap_s=200),
         ladder("ds2", "llama3_3b", "micro_batch", (8, 12, 16), time_cap_s=170),
-        ladder("slide", "llama3_3b", "seq_len", (32768, 65536, 131072), time_cap_s=150, steps_per_rung=1),
         ladder("ds3", "llama3_3b", "seq_len", seqs, time_cap_s=200, steps_per_rung=1),
         ladder("ds2", "llama3_3b", "seq_len", seqs, time_cap_s=170, steps_per_rung=1),
         ladder("ds2", "llama3_8b", "micro_batch", (1, 2, 4, 8), time_cap_s=220),
@@ -233,101 +254,6 @@ def _ladders_rest() -> list[Case]:
         *(ladder("ds3", "llama3_8b", grow, rungs, time_cap_s=200, steps_per_rung=1, known_failure=_DS3_8B_HOST_OOM)
           for grow, rungs in (("micro_batch", (1, 4, 8)), ("seq_len", seqs))),
     ]
-
-
-def _session2() -> list[Case]:
-    """One ~9-minute GPU call in the lead's priority order, after the two yardsticks every bound needs
-    (probe: PCIe and CPU-Adam rates; 8B ceiling: the GPU bound of the 8B cases)."""
-    first = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling",
-        "llama3_8b-mb8-cap24-slide-cpu-slots-auto", "llama3_8b-mb64-cap24-slide-cpu-slots-auto",
-        "llama3_3b-mb8-cap24-ds2", "llama3_8b-mb1-seq16384-cap24-slide-cpu",
-        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25",
-        "llama3_3b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq")]
-    measured = {"llama3_1b-mb32-cap24-slide-cpu", "llama3_3b-mb8-cap24-slide-cpu",
-                "llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu"}
-    return first + [case for case in _grid() if case.name not in measured]
-
-
-def _session3() -> list[Case]:
-    """What session 2 left unmeasured, in priority order for ~9-minute calls: the 3B target pair in one run (the
-    default window is now slots="auto"), 8B at 1x16k, the micro-batch and sequence ladders, the disk-tier case,
-    then the rest of the grid."""
-    first = [CASES[name] for name in (
-        "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_8b-mb1-seq16384-cap24-slide-cpu",
-        "llama3_3b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-mb", "llama3_8b-cap24-slide-cpu-max-seq",
-        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
-    return first + [case for case in _grid() if case.name not in {c.name for c in first}]
-
-
-def _session4() -> tuple[list[Case], list[Case]]:
-    """GPU calls of under 9 minutes with the default window and recompute="auto": (a) the 3B target pair, and
-    what kept graphs buy against recompute="always"; (b) the 8B targets with their ceiling. Then `next`: what
-    the fourth session's device time did not reach (the 8B long-sequence ladder first)."""
-    a = [CASES[name] for name in (
-        "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_1b-mb32-cap24-slide-cpu",
-        "llama3_1b-mb32-cap24-slide-cpu-recompute-always", "llama3_1b-mb32-capnone-ceiling",
-        "llama3_3b-mb8-cap24-slide-cpu-recompute-always")]
-    b = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu")]
-    return a, b
-
-
-def _next() -> list[Case]:
-    """At 8B 64x1024 the training thread waited 3.5 s per step for a free gradient buffer (s4/b): first, whether
-    more of them move the step, in one run; then what is still unmeasured."""
-    first = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu",
-        "llama3_8b-mb64-cap24-slide-cpu-gradbufs-6", "llama3_8b-cap24-slide-cpu-max-seq",
-        "llama3_3b-cap24-slide-cpu-max-mb",
-        "llama3_8b-mb8-cap24-slide-nvme-moments-0.25")]
-    return first + [case for case in _grid() if case.name not in {c.name for c in first}]
-
-
-def _session5() -> list[Case]:
-    """What no call has measured yet, cheapest first: 8B at 1x16k, the 8B sequence and 3B micro-batch ladders."""
-    return [CASES[name] for name in ("llama3_8b-mb1-seq16384-cap24-slide-cpu", "llama3_8b-cap24-slide-cpu-max-seq",
-                                     "llama3_3b-cap24-slide-cpu-max-mb")]
-
-
-def _session6() -> tuple[list[Case], list[Case], list[Case]]:
-    """Three calls of under 9 minutes for what is left: (a) the 3B ladders of every system (DeepSpeed's CPU Adam
-    compiles once per machine, in the first DeepSpeed case) and the plain ones; (b) the 8B targets again, now
-    that the next forward's first units are updated first, then whether gradient chunks of 16 MiB (4M elements),
-    small enough to be read back from the CPU's last-level cache after their DMA, cut the 8B 8x1024 step's
-    host-memory traffic (against the default 128 MiB in the same run); (c) the 8B ZeRO-2 ladder and the disk-tier
-    case."""
-    rest = {case.name: case for case in _ladders_rest()}
-    a = [rest[name] for name in (
-        "llama3_3b-cap24-ds3-max-mb", "llama3_3b-cap24-ds2-max-mb", "llama3_3b-cap24-plain-max-mb",
-        "llama3_8b-cap24-plain-max-mb", "llama3_3b-cap24-plain-max-seq", "llama3_8b-cap24-plain-max-seq",
-        "llama3_3b-cap24-slide-cpu-max-seq")]
-    b = [CASES[name] for name in (
-        "probe", "llama3_8b-mb8-capnone-ceiling", "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu",
-        "llama3_8b-mb8-cap24-slide-cpu-chunk-4194304")]
-    c = [rest["llama3_8b-cap24-ds2-max-mb"], CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]]
-    return a, b, c
-
-
-def _session7() -> tuple[list[Case], list[Case], list[Case]]:
-    """Calls of under 9 minutes for what no call has measured: (a) all four targets in one run, with the updates
-    each step boundary waits for now recorded per unit; (b) 8B 64x1024 with a 256 MiB loss buffer against the
-    default (the fused loss alone: 332 against 437 ms at 64k tokens, s6/ops), and 3B at 8x1024 and 64x1024 with
-    and without gradient clipping at 1.0 (train.py's default: updates wait for the global norm, after the
-    backward, and the gradients' fp32 sums take 4 B/param of RAM: the planner puts 8B at 120 GiB of host memory
-    with them, the edge of this machine's 126 GiB); (c) the 3B DeepSpeed sequence ladders, plain training uncapped at 3B
-    and 8B, the 8B ZeRO-2 ladders, the 8B disk-tier case."""
-    rest = {case.name: case for case in _ladders_rest()}
-    a = [CASES[name] for name in (  # the 3B pair first: ZeRO-3 never ran beside the others
-        "probe", "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3", "llama3_8b-mb8-capnone-ceiling",
-        "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu")]
-    b = [CASES[name] for name in (
-        "llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu-loss-256", "llama3_3b-mb8-cap24-slide-cpu",
-        "llama3_3b-mb8-cap24-slide-cpu-clip1", "llama3_3b-mb64-cap24-slide-cpu", "llama3_3b-mb64-cap24-slide-cpu-clip1")]
-    c = [rest["llama3_3b-cap24-ds3-max-seq"], rest["llama3_3b-cap24-ds2-max-seq"], CASES["llama3_3b-mb8-capnone-plain"],
-         CASES["llama3_8b-mb8-capnone-plain"], rest["llama3_8b-cap24-ds2-max-mb"], rest["llama3_8b-cap24-ds2-max-seq"],
-         CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]]
-    return a, b, c
 
 
 def _smoke() -> list[Case]:
@@ -352,26 +278,20 @@ def _unique(cases: list[Case]) -> list[Case]:
 
 SUITES: dict[str, list[Case]] = {
     "targets": _targets(),
-    "more": _unique([c for c in _more() if c.name not in {t.name for t in _targets()}]),
-    "ladders": _ladders(),
-    "ladders-rest": _ladders_rest(),
-    "smoke": _smoke(),
+    "recompute": _recompute(),
+    "baselines": _baselines(),
+    "grid": _grid(),
+    "settings": _settings(),
     # gradient clipping at 1.0 (train.py's default) against none, same shapes, in one run
     "clipping": [make("slide", model, mb, clip=clip)
                  for model, mb in (("llama3_8b", 8), ("llama3_3b", 8), ("llama3_8b", 64)) for clip in (1.0, None)],
     # what a load reads from host memory: the pinned fp32 master (default) or a pinned bf16 shadow copy
-    "h2d": [make("slide", "llama3_8b", 8, slide_settings=(("h2d_source", "shadow"),))],
+    "h2d": [make("slide", "llama3_8b", 8), make("slide", "llama3_8b", 8, slide_settings=(("h2d_source", "shadow"),))],
+    "ladders": _ladders(),
+    "smoke": _smoke(),
 }
+SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])
 CASES: dict[str, Case] = {c.name: c for suite in SUITES.values() for c in suite}
-SUITES["session2"] = _session2()
-SUITES["session3"] = _session3()
-SUITES["session4a"], SUITES["session4b"] = _session4()
-SUITES["next"] = _next()
-SUITES["session5"] = _session5()
-SUITES["session6a"], SUITES["session6b"], SUITES["session6c"] = _session6()
-SUITES["session7a"], SUITES["session7b"], SUITES["session7c"] = _session7()
-SUITES["full"] = _unique(SUITES["targets"] + SUITES["more"] + SUITES["h2d"] + SUITES["ladders"]
-                         + SUITES["ladders-rest"])
 
 
 def resolve(selection: list[str]) -> list[Case]:

@@ -1,13 +1,13 @@
-"""Expected wall time of a case on the H200 machine, so a run can be planned within its budget (no torch).
+"""Expected wall time of a case on an H200 machine (16 cores), for `--plan` and `--budget-s` (no torch).
 
-Fitted to the case times in benchmarks/results/*.json (2026-11-29): a case costs a fixed setup
+Fitted to the case times of H200 runs (`wall_s` of the records in benchmarks/results/): a case costs a fixed setup
 (interpreter start, model build, strategy setup; the first DeepSpeed case of a run also JIT-builds its
 CPU Adam) plus its steps. A step costs a floor (the CPU update) and a per-token GPU cost: overlapped
 (the larger of the two) for lightning-slide, added for DeepSpeed, whose update does not overlap compute.
 The per-token cost grows with the attention share at long sequences (the FLOP formula's ratio).
 Lightning-slide also pins host buffers for saved inputs at each new shape (about 1.6 GB/s), and the disk
 tier writes and reads the moments it holds once per step. The runner skips a case whose estimate no
-longer fits the budget and kills one at 2.5x it, so these err long rather than short.
+longer fits a given budget and kills one at 2.5x it, so these err long rather than short.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ STEP: dict[tuple[str, str], tuple[float, float]] = {
     ("ds2", "llama3_3b"): (3.5, 4.7e-5), ("ds3", "llama3_3b"): (4.45, 4.7e-5),
     ("ds2", "llama3_8b"): (9.0, 8.9e-5), ("ds3", "llama3_8b"): (11.0, 8.9e-5),
 }
-PIN_GBS = 1.0  # pinning rate the 8B mb64 case implies (ANCHORS timed pin_memory=True alone at 1.6 GB/s)
-DISK_GBS = 1.5  # the GPU machine's virtio disk, read or write (ANCHORS: 1.2-2.5)
+PIN_GBS = 1.0  # pinning rate the 8B mb64 case implies (pin_memory=True alone reaches about 1.6 GB/s)
+DISK_GBS = 1.5  # a virtio disk, read or write (1.2-2.5 GB/s measured on the H200 machine)
 
 
 def setup_s(system: str, model: str) -> float:

@@ -1,6 +1,6 @@
 """The cases that need no Lightning: the machine probe, the fwd+bwd ceiling, plain GPU training.
 
-These are the yardsticks of DESIGN.md's efficiency condition, measured in the same run as the
+These are the yardsticks the efficiency targets are judged by, measured in the same run as the
 systems they judge: PCIe bandwidth and the CPU AdamW rate give the transfer and update bounds, the
 ceiling's FLOP rate gives the GPU compute bound.
 """
@@ -35,7 +35,7 @@ def cpu_adam_rate(n: int, reps: int = 3) -> dict:
     """`torch.optim.AdamW(fused=True)` on n fp32 CPU params with every CPU thread; median of reps.
 
     n = 5e8 by default (8 GB of param, grad, m, v: far past any cache): the rate scales to the
-    model's N linearly (ANCHORS saw the same rate at 1.07e9).
+    model's N linearly (the same rate holds at 1.07e9 params).
     """
     torch.set_num_threads(os.cpu_count() or 1)
     param = torch.nn.Parameter(torch.empty(n))

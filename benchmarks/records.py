@@ -1,4 +1,5 @@
-"""Result records (the JSON of /work/shared/RESULTS.md) and what is derived from a whole run.
+"""Result records (one JSON object per case, each naming its command, commit, date and machine) and what
+is derived from a whole run.
 
 Derived fields are computed from the run's own measurements, never from constants: the GPU compute
 bound from this run's fwd+bwd ceiling of the same model, the PCIe bound from this run's pinned copy

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Everything the GPU machine runs, in one place (device calls are few and short).
-#   bash scripts/gpu_session.sh check   GPU tests (runtime + kernels)
+# The GPU-side commands, one per measurement (results: benchmarks/results/README.md).
+#   bash scripts/gpu_session.sh check   GPU tests (runtime + kernels)              -> results/gpu-tests/
 #   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, TOKENS=4096,16384,
 #                                       NO_COMPILE=1, OPS_TIMEOUT=s: what finished in time is still collected)
-#   bash scripts/gpu_session.sh bench   the throughput/memory suite (benchmarks/, `targets` by default)
+#                                                                                   -> results/kernels/
+#   bash scripts/gpu_session.sh bench   a benchmark suite (CASES=, `targets` by default; BUDGET=s to skip
+#                                       the cases that would not fit)              -> results/<suite>/
 #   bash scripts/gpu_session.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
+#                                                                                   -> results/capacity/
 #   bash scripts/gpu_session.sh capacity-master  8B with half the units' master and moments on disk
 #   bash scripts/gpu_session.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
-#                                       crash / resume / export cycle at 3B (benchmarks/e2e.py)
-# Writes logs and results under $OUT. Carried wheels (.whl/) are installed into /tmp/site first.
+#                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
+# Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
+# installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,8 +33,8 @@ case "${1:-check}" in
   ops)
     timeout "${OPS_TIMEOUT:-300}" python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" \
       ${ONLY:+--only "$ONLY"} ${TOKENS:+--tokens "$TOKENS"} ${NO_COMPILE:+--no-compile} 2>&1 | tee "$OUT/bench_ops.log" | tail -40
-    # at most 8 files come back from the GPU machine: one JSON-lines file and the plot (drawn again from what
-    # finished, in case the time limit stopped the run before it drew its own)
+    # every case that finished, as one JSON-lines file, and the plot drawn again from them (the timeout may
+    # stop the run before it draws its own)
     python3 -c "import json,glob; print('\n'.join(json.dumps(json.load(open(f))) for f in sorted(glob.glob('/tmp/ops/*.json'))))" > "$OUT/ops_results.jsonl"
     python3 benchmarks/bench_ops.py --plot /tmp/ops >/dev/null 2>&1
     cp /tmp/ops/*.png "$OUT/" 2>/dev/null
@@ -47,15 +51,14 @@ case "${1:-check}" in
       --nvme-master --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-master.log"; tail -15 "$OUT/capacity-8b-master.log"
     ;;
   e2e)
-    python3 -m benchmarks.run --cases llama3_8b-mb8-cap24-slide-cpu-clip1 --out "$OUT/harness" --budget-s 150 \
+    python3 -m benchmarks.run --cases llama3_8b-mb8-cap24-slide-cpu-clip1 --out "$OUT/harness" \
       --commit "$COMMIT" 2>&1 | tail -5
-    rm -f "$OUT"/harness/*.png  # at most 8 files come back
     python3 -m benchmarks.e2e --model llama3_8b --out "$OUT" --deadline-s 230 --commit "$COMMIT" 2>&1 | tail -3
     df -h /tmp | tee -a "$OUT/machine.txt"
     python3 -m benchmarks.e2e --model llama3_3b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 200 \
       --commit "$COMMIT" 2>&1 | tail -3
     ;;
   bench)
-    python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" --budget-s "${BUDGET:-540}" --commit "$COMMIT"
+    python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"
     ;;
 esac

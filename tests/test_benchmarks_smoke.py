@@ -73,11 +73,29 @@ def test_suites_resolve_and_name_the_cases_asked_for() -> None:
     nvme = CASES["llama3_8b-mb8-cap24-slide-nvme-moments-0.25"]
     assert nvme.tier == "nvme" and nvme.settings["nvme_path"] == "/tmp/lsbench-nvme"
     assert CASES["llama3_8b-cap24-ds3-max-mb"].known_failure
-    assert [c.name for c in SUITES["session2"][2:5]] == [
-        "llama3_8b-mb8-cap24-slide-cpu-slots-auto", "llama3_8b-mb64-cap24-slide-cpu-slots-auto",
-        "llama3_3b-mb8-cap24-ds2"]
     with pytest.raises(SystemExit):
         resolve(["no-such-case"])
+
+
+def test_comparison_suites_run_the_default_before_each_alternative() -> None:
+    pairs = {
+        "recompute": [("llama3_1b-mb32-cap24-slide-cpu", "llama3_1b-mb32-cap24-slide-cpu-recompute-always"),
+                      ("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-slide-cpu-recompute-always")],
+        "h2d": [("llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-shadow")],
+        "settings": [("llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-chunk-4194304"),
+                     ("llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu-gradbufs-6")],
+        "baselines": [("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-capnone-plain")],
+    }
+    for suite, comparisons in pairs.items():
+        names = [case.name for case in SUITES[suite]]
+        for default, alternative in comparisons:
+            assert names.index(default) < names.index(alternative), (suite, default, alternative)
+
+
+def test_suites_are_named_for_what_they_measure() -> None:
+    assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "h2d", "ladders",
+                           "smoke", "full"}
+    assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
 
 
 def test_a_name_means_one_case_in_every_suite() -> None:
@@ -87,9 +105,8 @@ def test_a_name_means_one_case_in_every_suite() -> None:
 
 
 def test_plan_skips_what_the_budget_cannot_hold() -> None:
-    lines = plan(resolve(["session2"]), 540.0, include_known=False).splitlines()
+    lines = plan(resolve(["full"]), 540.0, include_known=False).splitlines()
     assert lines[0].startswith("run") and "skip" in "".join(lines)
-    assert sum(c.est_s for c in SUITES["ladders"]) <= 400  # the informative ladders fit ~6 minutes
 
 
 def test_idle_is_the_compute_streams_gaps_between_step_markers() -> None:
