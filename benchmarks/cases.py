@@ -163,10 +163,15 @@ def nvme(moments: float) -> Settings:
     return (("offload", "nvme"), ("nvme_path", NVME_PATH), ("nvme_moments", moments))
 
 
+def _probe() -> Case:
+    """The machine probe (PCIe and CPU-AdamW rates): the bounds of every case after it in the same run need it."""
+    return make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0)
+
+
 def _targets() -> list[Case]:
     """The cases the four targets need, in priority order: the probe and the ratios' two sides first."""
     return [
-        make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
+        _probe(),
         make("slide", "llama3_3b", 8),
         make("ds3", "llama3_3b", 8),
         make("ceiling", "llama3_8b", 8, cap_gib=None),
@@ -184,7 +189,7 @@ def _recompute() -> list[Case]:
     """Kept graphs (`recompute="auto"`, the default) against `recompute="always"` at 1B 32x1024 and 3B 8x1024,
     with the 1B ceiling and 3B ZeRO-3 offload of the same run."""
     return [
-        make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
+        _probe(),
         make("slide", "llama3_3b", 8),
         make("ds3", "llama3_3b", 8),
         make("slide", "llama3_1b", 32),
@@ -220,7 +225,7 @@ def _grid() -> list[Case]:
 def _settings() -> list[Case]:
     """lightning-slide's non-default settings at 8B, each after the default of the same shape."""
     return [
-        make("probe", "llama3_8b", cap_gib=None, name="probe", profile_steps=0),
+        _probe(),
         make("slide", "llama3_8b", 8),
         make("slide", "llama3_8b", 8, slide_settings=SLOTS_AUTO),
         make("slide", "llama3_8b", 8, slide_settings=(("chunk_elems", 1 << 22),)),
