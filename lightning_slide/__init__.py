@@ -13,5 +13,6 @@ from lightning_slide.strategy import SlideStrategy
 
 if SlideStrategy.strategy_name not in StrategyRegistry:
     SlideStrategy.register_strategies(StrategyRegistry)
+from lightning_slide.fabric import SlideFabricStrategy  # noqa: E402,F401  (registers Fabric(strategy="slideformer"))
 
 __all__ = ["SlideConfig", "SlideEngine", "SlidePrecision", "SlideStrategy", "StepMode"]
