@@ -1,0 +1,335 @@
+"""`SlideFabricStrategy`: the sliding engine under Lightning Fabric (`Fabric(strategy="slideformer")`).
+
+Fabric loops look like plain PyTorch: `fabric.backward(loss)` comes before the loop decides whether this is
+the step's last micro-batch, so the engine runs as under the Trainer's manual optimization
+(`StepMode(manual=True)`): every backward adds its gradients into fp32 sums on the host, and
+`optimizer.step()` clips (if `fabric.clip_gradients` asked for it) and updates every unit on the CPU.
+Gradient accumulation therefore needs nothing but several backwards before a step
+(`fabric.no_backward_sync` is a no-op on one device, as for Fabric's own single-device strategy).
+
+The module's parameters become views of the engine's flat fp32 host storage. Hooks on the module keep the
+usual PyTorch calls right while updates run on the optimizer thread: `state_dict()` waits for the queued
+updates, `load_state_dict()` waits before it writes and reloads the GPU window after; `fabric.load` routes an
+optimizer's state into the engine's flat Adam state.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from typing import Any, Callable, Generator, Mapping
+
+import torch
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_slide.checkpoint_io import AtomicCheckpointIO
+from lightning_slide.config import SlideConfig
+from lightning_slide.engine import SlideEngine
+from lightning_slide.materialize import meta_parameters
+from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
+from lightning_slide.precision import SUPPORTED, SlidePrecision, _unsupported
+from lightning_slide.step_mode import StepMode
+from lightning_slide.strategy import _token_shape
+from lightning_slide.tiers import remove_stale_tier_folders
+
+#: Fabric decides nothing ahead of the loop: every backward adds to fp32 host sums, updates wait for the step.
+FABRIC_MODE = StepMode(accumulates=True, clip_norm=None, manual=True)
+
+
+class SlideFabricPrecision(Precision):
+    """Fabric's precision for slideformer: the module keeps its fp32 masters (no cast, no fp32 init change);
+    the forward runs as under the Trainer's `SlidePrecision` (autocast for bf16-mixed, bf16 inputs for bf16-true),
+    and the engine computes in `compute_dtype`."""
+
+    forward_context = SlidePrecision.forward_context
+    convert_input = SlidePrecision.convert_input
+    compute_dtype = SlidePrecision.compute_dtype
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in SUPPORTED:
+            raise ValueError(_unsupported(precision))
+        self.precision = precision  # type: ignore[assignment]
+        self.device_type = "cpu"  # the strategy sets the compute device's type at setup
+
+    @classmethod
+    def adopt(cls, plugin: Precision) -> "SlideFabricPrecision":
+        """Turn the plugin Fabric built from `Fabric(precision=...)` into ours, or say why not."""
+        if isinstance(plugin, SlideFabricPrecision):
+            return plugin
+        if type(plugin) in (Precision, MixedPrecision, HalfPrecision):
+            return cls(str(plugin.precision))
+        raise ValueError(f"The slideformer strategy cannot use the {type(plugin).__name__} plugin. {_unsupported('')}")
+
+
+class SlideFabricStrategy(SingleDeviceStrategy):
+    """Full-parameter training of a causal LM larger than the GPU under Fabric: layers slide through a GPU window.
+
+    Keyword settings are the fields of :class:`lightning_slide.config.SlideConfig` (``offload``, ``slots``,
+    ``activations``, ...). Set up the model and exactly one torch Adam/AdamW together
+    (``fabric.setup(model, optimizer)``); a model set up alone is evaluated only.
+    """
+
+    strategy_name = "slideformer"
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision: Precision | None = None,
+        **settings: Any,
+    ) -> None:
+        self.config = SlideConfig.from_kwargs(**settings)
+        if self.config.offload == "none":
+            raise ValueError("offload='none' is plain single-device training: use Fabric's own strategy "
+                             "(Fabric(strategy='auto')) instead of slideformer.")
+        if self.config.offload == "nvme" and self.config.nvme_path is None:
+            self.config = replace(self.config, nvme_path=tempfile.gettempdir())
+        super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision)
+        self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
+        self.engine: SlideEngine | None = None
+        self.plan: Plan | None = None
+        self._planned: tuple | None = None  # (model shape, setup): what micro-batches are checked against
+        self._checked_tokens = 0  # the largest micro-batch checked so far
+        self._process_bytes = 0  # host memory the process held besides the model's weights at setup
+        self._hooks: list[RemovableHandle] = []
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Layer-sliding GPU window with fp32 masters and Adam on the CPU"
+        )
+        strategy_registry.register(
+            f"{cls.strategy_name}_nvme", cls, offload="nvme",
+            description="slideformer with the disk tier (sliding activations and Adam moments in files)",
+        )
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    @property
+    def precision(self) -> SlideFabricPrecision:
+        if self._precision is None:
+            self._precision = SlideFabricPrecision()
+        return self._precision
+
+    @precision.setter
+    def precision(self, plugin: Precision | None) -> None:
+        self._precision = None if plugin is None else SlideFabricPrecision.adopt(plugin)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def module_init_context(self, empty_init: bool | None = None) -> Any:
+        """Build models on the CPU in fp32: they become the host master weights.
+
+        With `fabric.init_module(empty_init=True)` parameters are meta-device placeholders instead: the engine
+        fills them unit by unit, straight into its flat storage, from the local checkpoint folder in
+        `model.config.name_or_path` or with the model's initialiser (the model never exists twice in RAM).
+        """
+        return self._host_init(bool(empty_init))
+
+    @contextmanager
+    def _host_init(self, empty_init: bool) -> Generator[None, None, None]:
+        with meta_parameters() if empty_init else nullcontext(), torch.device("cpu"):
+            yield
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Weights stay on the host; the engine moves buffers and streams units to the device."""
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"The slideformer strategy trains with exactly one optimizer; fabric.setup got {len(optimizers)}. "
+                "Put all parameters in one torch.optim.AdamW (param groups are fine).")
+        self._start_engine(module, optimizers[0])
+        return module, optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """A model set up without an optimizer is evaluated only (forward passes through the window)."""
+        self._start_engine(module, None)
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        raise NotImplementedError(
+            "The slideformer engine lays out the optimizer state together with the model: set them up together "
+            "with `model, optimizer = fabric.setup(model, optimizer)`.")
+
+    def _start_engine(self, module: nn.Module, optimizer: Optimizer | None) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(f"The slideformer strategy trains on one device, but Fabric was given "
+                             f"{len(self.parallel_devices)}: pass Fabric(devices=1).")
+        if self.engine is not None:
+            raise RuntimeError("The slideformer strategy trains one model: it was already set up in this Fabric.")
+        if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
+            raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
+        self.precision.device_type = self.root_device.type
+        rank_zero_info(f"slideformer steps: {FABRIC_MODE.describe()}")
+        self._plan_memory(module, optimizer)
+        self.engine = SlideEngine(module, optimizer, self.config, self.root_device, self.precision.compute_dtype,
+                                  FABRIC_MODE)
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            module.register_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+            module.register_load_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+            module.register_load_state_dict_post_hook(lambda *_: self.engine.master_changed()),
+        ]
+
+    def _plan_memory(self, module: nn.Module, optimizer: Optimizer | None) -> None:
+        """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
+        amsgrad = optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups)
+        setup = Setup(self.config, self.root_device.type, self.precision.compute_dtype,
+                      training=optimizer is not None, mode=FABRIC_MODE, amsgrad=amsgrad)
+        shape, self.plan = plan_for_run(module, optimizer, setup)
+        if self.config.offload == "nvme":  # folders of killed runs: their space counts as free
+            remove_stale_tier_folders(self.config.nvme_path)
+        resources = Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module))
+        if self.config.offload == "nvme" and self.config.nvme_moments is None and optimizer is not None:
+            self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
+            setup = replace(setup, config=self.config)
+            self.plan = Plan.static(shape, setup)
+        self._planned, self._checked_tokens, self._process_bytes = (shape, setup), 0, resources.process
+        rank_zero_info(self.plan.describe())
+        self.plan.check(resources)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A training forward starts a micro-batch: the engine forgets a graph never backpropagated and sizes the
+        window for it; the largest micro-batch so far is checked against the memory first. Forwards without
+        gradients (evaluation) leave a pending graph alone."""
+        if not torch.is_grad_enabled():
+            return
+        shape = _token_shape((args, kwargs))
+        self.engine.new_micro_batch(None if shape is None else shape[0] * shape[1])
+        if shape is not None and shape[0] * shape[1] > self._checked_tokens:
+            self._check_batch(shape)
+
+    def _check_batch(self, tokens: tuple[int, int]) -> None:
+        """Refuse (PlanError) a micro-batch whose activations and workspace cannot fit, before its forward."""
+        shape, setup = self._planned
+        self._checked_tokens = tokens[0] * tokens[1]
+        resources = Resources.probe(self.root_device)
+        gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
+        needs = self.plan.batch(shape, setup, *tokens, gpu_free)
+        rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe())
+        needs.check(resources)
+
+    # ----------------------------------------------------------------------------------------- steps
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Clip (when asked since the last step) and update from the sums of every backward since the last step.
+
+        The updates run on the optimizer thread; the next forward waits for each unit's own update only.
+        """
+        self._check_optimizer(optimizer)
+        closure: Callable[[], Any] | None = kwargs.pop("closure", None)
+        if kwargs:
+            raise TypeError(f"slideformer's optimizer.step() takes only a closure, got {sorted(kwargs)}.")
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self.engine.begin_step()
+        self.engine.end_step(backward_ran=True)
+        optimizer._opt_called = True  # what optimizer.step() tells LR schedulers (torch.optim.lr_scheduler)
+        return result
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> None:
+        """Clip the next `optimizer.step()` by the global L2 norm of its gradients (all of them, every unit).
+
+        The gradients sit in the engine's host sums, not in `param.grad`: the norm is measured when the step
+        runs, so this returns None rather than the norm.
+        """
+        self._check_optimizer(optimizer)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"slideformer clips by the global L2 norm only: use norm_type=2 (got {norm_type}).")
+        self.engine.clip_next(float(max_norm))
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        raise ValueError("slideformer clips by the global gradient norm only: use "
+                         "fabric.clip_gradients(model, optimizer, max_norm=...) instead of clip_val.")
+
+    def _check_optimizer(self, optimizer: Any) -> None:
+        if self.engine is None or self.engine.optimizer is None:
+            raise RuntimeError("Set up the model and its optimizer together first: "
+                               "`model, optimizer = fabric.setup(model, optimizer)`.")
+        if optimizer is not self.engine.optimizer:
+            raise ValueError("This optimizer is not the one set up with the model in fabric.setup(model, optimizer).")
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        self._synchronize()
+        return module.state_dict()
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """torch's Adam state_dict format (as the Trainer strategy's checkpoints), read from the flat state."""
+        self._synchronize()
+        return optimizer.state_dict()
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Fabric's loading, except that an optimizer's state goes into the engine's flat Adam state (torch's
+        `optimizer.load_state_dict` alone would leave the engine reading the old moments)."""
+        if isinstance(state, Optimizer):
+            self._load_optimizer(state, self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
+            return {}
+        if not isinstance(state, Mapping) or not any(isinstance(v, Optimizer) for v in state.values()):
+            return super().load_checkpoint(path, state, strict, weights_only)
+        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        rest = {k: v for k, v in state.items() if k not in optimizers}
+        remainder = super().load_checkpoint(path, rest or None, strict, weights_only) if rest else (
+            self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
+        state.update(rest)  # plain values were restored into `rest`; Fabric copies them back from `state`
+        for name, optimizer in optimizers.items():
+            if name not in remainder:
+                if strict:
+                    raise KeyError(f"The checkpoint {path} holds no {name!r} (it has {sorted(remainder)}).")
+                continue
+            self._load_optimizer(optimizer, remainder.pop(name))
+        return remainder
+
+    def _load_optimizer(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        self._check_optimizer(optimizer)
+        self.engine.load_optimizer_state(state_dict)
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy and update: parameters and optimizer state are then current."""
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        if self.engine is not None:
+            self.engine.synchronize()
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def teardown(self) -> None:
+        """Finish the queued updates, stop the engine's threads and give its memory back (the parameters stay
+        readable host tensors)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        super().teardown()
+
+
+if SlideFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
+    SlideFabricStrategy.register_strategies(STRATEGY_REGISTRY)
