@@ -71,7 +71,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-import ops  # noqa: E402
+from lightning_slide import ops  # noqa: E402
 
 
 # ---------------------------------------------------------------- measurement

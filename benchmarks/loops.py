@@ -86,7 +86,7 @@ def _copy_rate(copy: Callable[[], object]) -> float:
 def _with_kernels(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The same Triton kernels lightning-slide runs (fused loss: no logits), so baselines differ only in offload."""
     if device.type == "cuda":
-        import ops
+        from lightning_slide import ops
 
         ops.patch(model)
     return model

@@ -5,6 +5,7 @@ Importing the package registers ``Trainer(strategy="slideformer")``.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+import lightning_slide._checkout  # noqa: F401  (first: maps the checkout's ops/ when run uninstalled)
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
 from lightning_slide.precision import SlidePrecision

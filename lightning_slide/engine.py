@@ -333,7 +333,7 @@ class SlideEngine:
             self.model.config.use_cache = False
         self._kernels = None
         if self.config.use_kernels and self.device.type == "cuda":
-            import ops  # imports triton: only where kernels run
+            from lightning_slide import ops  # imports triton: only where kernels run
 
             self._kernels = ops.patch(self.model, chunk_mib=self.config.loss_chunk_mib)
 

@@ -5,19 +5,23 @@ One module per kernel (reference, Triton kernel, autograd.Function, functional a
 `hf_patch` (`ops.patch`) swaps them into a Hugging Face model.
 Kernels run for CUDA tensors, and for CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`,
 for tests); anywhere else each op falls back to its pure-PyTorch reference, so a patched model
-still trains correctly on a CPU. This package imports neither Lightning nor `lightning_slide`.
+still trains correctly on a CPU.
+
+The folder sits at the repository's top and installs as `lightning_slide.ops` (pyproject.toml maps
+it there); its modules import one another relatively and use neither Lightning nor the rest of the
+package.
 """
-from ops.cross_entropy import (
+from .cross_entropy import (
     LinearCrossEntropyHead,
     causal_lm_loss,
     causal_targets,
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
-from ops.hf_patch import PatchHandle, patch, unpatch
-from ops.glu import SwiGLUMLP, swiglu, swiglu_reference
-from ops.norm import RMSNorm, rms_norm, rms_norm_reference
-from ops.rotary import apply_rotary_pos_emb, rope_reference
+from .glu import SwiGLUMLP, swiglu, swiglu_reference
+from .hf_patch import PatchHandle, patch, unpatch
+from .norm import RMSNorm, rms_norm, rms_norm_reference
+from .rotary import apply_rotary_pos_emb, rope_reference
 
 __all__ = [
     "LinearCrossEntropyHead", "PatchHandle", "RMSNorm", "SwiGLUMLP", "apply_rotary_pos_emb",

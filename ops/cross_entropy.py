@@ -72,10 +72,7 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, t
 
 def _normaliser(valid: torch.Tensor, num_items_in_batch) -> torch.Tensor:
     """The divisor of the summed loss, as a device tensor (no host sync); never below 1."""
-    if num_items_in_batch is None:
-        n = valid.sum()
-    else:
-        n = torch.as_tensor(num_items_in_batch, device=valid.device)
+    n = valid.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=valid.device)
     return n.to(torch.float32).clamp(min=1.0)
 
 

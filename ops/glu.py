@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton.language as tl
 from torch import nn
 
-from ops._triton import Kernel, launch_options, use_triton
+from ._triton import Kernel, launch_options, use_triton
 
 BLOCK = 2048
 

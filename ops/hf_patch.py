@@ -19,15 +19,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ops.cross_entropy import CHUNK_MIB, IGNORE_INDEX, LinearCrossEntropyHead
-from ops.glu import swiglu
-from ops.norm import rms_norm
-from ops.rotary import apply_rotary_pos_emb
+from .cross_entropy import CHUNK_MIB, IGNORE_INDEX, LinearCrossEntropyHead
+from .glu import swiglu
+from .norm import rms_norm
+from .rotary import apply_rotary_pos_emb
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 _HANDLE_ATTR = "_ops_patch_handle"
@@ -181,7 +181,7 @@ class PatchHandle:
             self._undo.pop()()
         self.model.__dict__.pop(_HANDLE_ATTR, None)
 
-    def __enter__(self) -> "PatchHandle":
+    def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,7 +12,7 @@ import torch
 import triton.language as tl
 from torch import nn
 
-from ops._triton import Kernel, launch_options, next_pow2, sm_count, use_triton
+from ._triton import Kernel, launch_options, next_pow2, sm_count, use_triton
 
 MAX_HIDDEN = 65536  # one row must fit in one program's registers
 BWD_PROGRAMS_PER_SM = 2  # backward programs per SM: enough loads in flight, few dw partials

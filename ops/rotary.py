@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ops._triton import Kernel, device_function, launch_options, next_pow2, use_triton
+from ._triton import Kernel, device_function, launch_options, next_pow2, use_triton
 
 TILE = 2048  # q elements (tokens x heads x half head dim) per program: one token of Llama-3-8B
 

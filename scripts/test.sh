@@ -3,15 +3,19 @@
 #   bash scripts/test.sh [pytest arguments]
 # 1. a venv at $VENV (default .venv) with the package and its dev extra; the constraints file keeps pip on the
 #    CPU build of torch;
-# 2. kvikio for the disk tier's tests, without its 1.7 GB of CUDA libraries, and a stand-in libcuda.so.1 built
+# 2. ruff check, with the rules in pyproject.toml: any violation stops the run (ruff format is configured there
+#    too, but the tree keeps its own line wrapping, so it is not checked);
+# 3. kvikio for the disk tier's tests, without its 1.7 GB of CUDA libraries, and a stand-in libcuda.so.1 built
 #    from tests/support/fake_libcuda.c (kvikio asks the driver about every buffer; the stand-in answers "host
 #    memory"), only where no real driver is installed: it would hide the GPU;
-# 3. pytest, offline. The exit status is pytest's: non-zero on any failure, 5 when no test was collected.
+# 4. pytest, offline. The exit status is ruff's when it finds violations, else pytest's: non-zero on any failure,
+#    5 when no test was collected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q -c constraints-cpu.txt -e '.[dev]'
+"$VENV/bin/ruff" check .
 if /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
   echo "scripts/test.sh: a CUDA driver is installed, so no stand-in libcuda; the disk tier's kvikio tests run" \
        "with kvikio from pip install -e '.[gpu]' and skip without it" >&2

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from huggingface_hub import save_torch_state_dict
+from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader
 
 from lightning_slide.arguments import check_arguments
 from lightning_slide.materialize import meta_parameters
 from lightning_slide.models import build_model
-from tests.runtime.helpers import CausalLM, VOCAB, tiny_model, token_batches, trainer
+from tests.runtime.helpers import VOCAB, CausalLM, tiny_model, token_batches, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = runpy.run_path(str(ROOT / "train.py"))
@@ -59,7 +59,7 @@ def test_a_pytorch_model_bin_folder_fills_the_meta_model_as_its_safetensors_twin
     loss, weights = one_step_on_meta(torch_bin)
     expected_loss, expected = one_step_on_meta(safetensors)
     assert loss == expected_loss
-    assert all(torch.equal(a, b) for a, b in zip(weights, expected))
+    assert all(torch.equal(a, b) for a, b in zip(weights, expected, strict=True))
 
 
 def test_a_pytorch_model_bin_folder_loads_without_offload_as_its_safetensors_twin(tmp_path):

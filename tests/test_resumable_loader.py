@@ -100,7 +100,8 @@ def test_resuming_from_any_step_sees_what_the_uninterrupted_fit_saw_after_it(num
     straight = fit(tmp_path, steps, num_workers, accumulate, limit, every_step=True)
     assert len({epoch for _, epoch, _ in straight}) >= 3
     for step in range(1, steps):
-        resumed = fit(tmp_path / "resumed", steps, num_workers, accumulate, limit, ckpt_path=tmp_path / f"step={step}.ckpt")
+        checkpoint = tmp_path / f"step={step}.ckpt"
+        resumed = fit(tmp_path / "resumed", steps, num_workers, accumulate, limit, ckpt_path=checkpoint)
         assert resumed == [seen for seen in straight if seen[0] >= step], f"resumed from step {step}"
 
 

@@ -36,7 +36,7 @@ def _losses_unpatched_and_patched(model, ids, labels, steps: int, lr: float):
     """Train a copy of `model` as is, then `model` under ops.patch; return both loss curves."""
     import copy
 
-    import ops
+    from lightning_slide import ops
 
     def train(m):
         opt = torch.optim.AdamW(m.parameters(), lr=lr)

@@ -18,27 +18,27 @@ import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile them there")
 
-P, I, F = "*{}", "i32", "fp32"  # pointer (to a dtype), integer, float scalar
+P, N, F = "*{}", "i32", "fp32"  # pointer (to a dtype), integer, float scalar
 
 
 def _kernels(dtype: str):
-    import ops.cross_entropy as lce
-    import ops.glu as glu
-    import ops.norm as norm
-    import ops.rotary as rotary
+    import lightning_slide.ops.cross_entropy as lce
+    import lightning_slide.ops.glu as glu
+    import lightning_slide.ops.norm as norm
+    import lightning_slide.ops.rotary as rotary
 
     p = P.format(dtype)
-    rope = [p] * 6 + [I] * 15
-    ce = [p, I, "*i64", "*fp32", "*fp32", I, I, F, F]
+    rope = [p] * 6 + [N] * 15
+    ce = [p, N, "*i64", "*fp32", "*fp32", N, N, F, F]
     return {
-        "rms_norm_fwd": (norm._fwd, [p, p, p, "*fp32", I, I, I, I, F], {"BLOCK_M": 1, "BLOCK_N": 4096}),
-        "rms_norm_bwd": (norm._bwd, [p, p, p, "*fp32", p, "*fp32"] + [I] * 6, {"BLOCK_M": 32, "BLOCK_N": 128}),
+        "rms_norm_fwd": (norm._fwd, [p, p, p, "*fp32", N, N, N, N, F], {"BLOCK_M": 1, "BLOCK_N": 4096}),
+        "rms_norm_bwd": (norm._bwd, [p, p, p, "*fp32", p, "*fp32"] + [N] * 6, {"BLOCK_M": 32, "BLOCK_N": 128}),
         "rope_bwd": (rotary._rope, rope, {"HQ": 32, "HK": 8, "HALF": 64, "BACKWARD": True, "BLOCK_T": 1,
                                           "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_D": 64}),
-        "swiglu_fwd": (glu._fwd, [p, p, p, I], {"BLOCK": glu.BLOCK}),
-        "swiglu_bwd": (glu._bwd, [p, p, p, p, p, I], {"BLOCK": glu.BLOCK}),
+        "swiglu_fwd": (glu._fwd, [p, p, p, N], {"BLOCK": glu.BLOCK}),
+        "swiglu_bwd": (glu._bwd, [p, p, p, p, p, N], {"BLOCK": glu.BLOCK}),
         "ce_rows_softcap": (lce._ce_rows, ce, {"HAS_SOFTCAP": True, "WRITE_GRAD": True, "BLOCK": lce.CE_BLOCK}),
-        "scale": (lce._scale, [p, "*fp32", I], {"BLOCK": 4096}),
+        "scale": (lce._scale, [p, "*fp32", N], {"BLOCK": 4096}),
     }
 
 
@@ -51,7 +51,7 @@ def compile_all(dtype: str) -> None:
 
     for name, (fn, types, constexprs) in _kernels(dtype).items():
         params = list(inspect.signature(fn).parameters)
-        signature = dict(zip(params, types)) | {k: "constexpr" for k in constexprs}
+        signature = dict(zip(params, types, strict=False)) | {k: "constexpr" for k in constexprs}
         assert list(signature) == params, name
         compiled = triton.compile(ASTSource(JITFunction(fn), signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))

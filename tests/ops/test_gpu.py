@@ -6,7 +6,7 @@ matters for training at this size (single elements of a bf16 tensor are only ~3 
 import pytest
 import torch
 
-import ops
+from lightning_slide import ops
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -101,7 +101,7 @@ def test_linear_cross_entropy_overlapped_and_serial_chunks_agree(schedule):
         loss = ops.linear_cross_entropy(x, w, y, overlap=overlap, schedule=schedule)
         loss.backward()
         results.append((loss.detach(), x.grad, w.grad))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=True):
         assert _rel(got, want) < 1e-3
 
 

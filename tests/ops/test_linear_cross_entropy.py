@@ -10,9 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ops.cross_entropy as lce
-from ops import (LinearCrossEntropyHead, causal_lm_loss, causal_targets, linear_cross_entropy,
-                 linear_cross_entropy_reference)
+import lightning_slide.ops.cross_entropy as lce
+from lightning_slide.ops import (
+    LinearCrossEntropyHead,
+    causal_lm_loss,
+    causal_targets,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 T, H, V = 23, 16, 97  # odd sizes: 23 tokens in chunks of 5 leave a remainder of 3
@@ -53,7 +58,7 @@ def _check(dtype, device, assert_matches, bias=False, targets=None, schedule="ro
     assert_matches(loss, expected, dtype)
     loss.backward()
     expected.backward()
-    for got, ref in zip(inputs, refs):
+    for got, ref in zip(inputs, refs, strict=True):
         assert_matches(got.grad, ref.grad, dtype)
 
 

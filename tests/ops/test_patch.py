@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-import ops
-from ops import LinearCrossEntropyHead
+from lightning_slide import ops
+from lightning_slide.ops import LinearCrossEntropyHead
 
 
 def _tiny(family: str, tie: bool = True) -> nn.Module:
@@ -128,9 +128,8 @@ def test_rotary_function_stays_patched_until_the_last_model_is_unpatched():
 
 def test_patching_twice_is_refused_and_unsupported_models_are_named():
     model = _tiny("mistral")
-    with ops.patch(model):
-        with pytest.raises(RuntimeError, match="already patched"):
-            ops.patch(model)
+    with ops.patch(model), pytest.raises(RuntimeError, match="already patched"):
+        ops.patch(model)
     with pytest.raises(ValueError, match="supports"):
         ops.patch(nn.Sequential(nn.Linear(2, 2)))
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import ops.norm as norm
-from ops import RMSNorm, rms_norm, rms_norm_reference
+import lightning_slide.ops.norm as norm
+from lightning_slide.ops import RMSNorm, rms_norm, rms_norm_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 

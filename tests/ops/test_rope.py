@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ops import apply_rotary_pos_emb, rope_reference
+from lightning_slide.ops import apply_rotary_pos_emb, rope_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ops import SwiGLUMLP, swiglu, swiglu_reference
+from lightning_slide.ops import SwiGLUMLP, swiglu, swiglu_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -27,7 +27,8 @@ def test_forward_and_backward_match_reference(shape, dtype, device, assert_match
     assert_matches(up.grad, up_r.grad, dtype)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter: exp(90) -> inf, correctly
+# the interpreter computes exp(90) = inf, correctly, and numpy warns about it
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_large_negative_and_positive_gates_stay_finite(device):
     gate = torch.tensor([-90.0, -20.0, 0.0, 20.0, 90.0], device=device, requires_grad=True)
     up = torch.ones(5, device=device, requires_grad=True)
