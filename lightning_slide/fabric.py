@@ -18,12 +18,12 @@ from __future__ import annotations
 import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Callable, Generator, Mapping
 
 import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
@@ -33,14 +33,15 @@ from lightning_slide.checkpoint_io import AtomicCheckpointIO
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
 from lightning_slide.materialize import meta_parameters
-from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
+from lightning_slide.planner import Plan
 from lightning_slide.precision import SUPPORTED, SlidePrecision, _unsupported
 from lightning_slide.step_mode import StepMode
-from lightning_slide.strategy import _token_shape
-from lightning_slide.tiers import remove_stale_tier_folders
+from lightning_slide.strategy import SlideStrategy, _token_shape
 
 #: Fabric decides nothing ahead of the loop: every backward adds to fp32 host sums, updates wait for the step.
 FABRIC_MODE = StepMode(accumulates=True, clip_norm=None, manual=True)
+#: What the Trainer strategy's planning reads of a Trainer: its callbacks (those that export add host memory).
+_NO_CALLBACKS = SimpleNamespace(callbacks=())
 
 
 class SlideFabricPrecision(Precision):
@@ -99,21 +100,14 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         self._planned: tuple | None = None  # (model shape, setup): what micro-batches are checked against
         self._checked_tokens = 0  # the largest micro-batch checked so far
         self._process_bytes = 0  # host memory the process held besides the model's weights at setup
+        self.mode = FABRIC_MODE  # what the planning and the engine read
         self._hooks: list[RemovableHandle] = []
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Layer-sliding GPU window with fp32 masters and Adam on the CPU"
-        )
-        strategy_registry.register(
-            f"{cls.strategy_name}_nvme", cls, offload="nvme",
-            description="slideformer with the disk tier (sliding activations and Adam moments in files)",
-        )
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+    # The Trainer strategy's own definitions, which read only what this class sets up the same way: the names
+    # "slideformer" and "slideformer_nvme", the device Fabric's connector hands over, and the micro-batch check.
+    register_strategies = classmethod(SlideStrategy.register_strategies.__func__)
+    root_device = SlideStrategy.root_device
+    _check_batch = SlideStrategy._check_batch
 
     @property
     def precision(self) -> SlideFabricPrecision:
@@ -172,10 +166,10 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
             raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
         self.precision.device_type = self.root_device.type
-        rank_zero_info(f"slideformer steps: {FABRIC_MODE.describe()}")
+        rank_zero_info(f"slideformer steps: {self.mode.describe()}")
         self._plan_memory(module, optimizer)
         self.engine = SlideEngine(module, optimizer, self.config, self.root_device, self.precision.compute_dtype,
-                                  FABRIC_MODE)
+                                  self.mode)
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             module.register_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
@@ -184,21 +178,9 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         ]
 
     def _plan_memory(self, module: nn.Module, optimizer: Optimizer | None) -> None:
-        """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
-        amsgrad = optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups)
-        setup = Setup(self.config, self.root_device.type, self.precision.compute_dtype,
-                      training=optimizer is not None, mode=FABRIC_MODE, amsgrad=amsgrad)
-        shape, self.plan = plan_for_run(module, optimizer, setup)
-        if self.config.offload == "nvme":  # folders of killed runs: their space counts as free
-            remove_stale_tier_folders(self.config.nvme_path)
-        resources = Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module))
-        if self.config.offload == "nvme" and self.config.nvme_moments is None and optimizer is not None:
-            self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
-            setup = replace(setup, config=self.config)
-            self.plan = Plan.static(shape, setup)
-        self._planned, self._checked_tokens, self._process_bytes = (shape, setup), 0, resources.process
-        rank_zero_info(self.plan.describe())
-        self.plan.check(resources)
+        """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit: the Trainer
+        strategy's planning, for a loop with no export callbacks (HFExport is a Trainer callback)."""
+        SlideStrategy._plan_memory(self, _NO_CALLBACKS, module, optimizer, self.precision.compute_dtype)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A training forward starts a micro-batch: the engine forgets a graph never backpropagated and sizes the
@@ -210,16 +192,6 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         self.engine.new_micro_batch(None if shape is None else shape[0] * shape[1])
         if shape is not None and shape[0] * shape[1] > self._checked_tokens:
             self._check_batch(shape)
-
-    def _check_batch(self, tokens: tuple[int, int]) -> None:
-        """Refuse (PlanError) a micro-batch whose activations and workspace cannot fit, before its forward."""
-        shape, setup = self._planned
-        self._checked_tokens = tokens[0] * tokens[1]
-        resources = Resources.probe(self.root_device)
-        gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
-        needs = self.plan.batch(shape, setup, *tokens, gpu_free)
-        rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe())
-        needs.check(resources)
 
     # ----------------------------------------------------------------------------------------- steps
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

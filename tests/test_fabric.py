@@ -58,17 +58,15 @@ def trained(model: torch.nn.Module, strategy: Any, batches: list[torch.Tensor], 
     return run.train(batches, **settings).close()
 
 
-def test_plain_steps_match_fabrics_single_device_adamw():
-    model, batches = tiny_model("llama"), token_batches(STEPS)
-    expected = trained(model, "auto", batches)
-    got = trained(model, "slideformer", batches)
-    assert relative_difference(expected, got) <= 1e-6
-
-
-def test_clip_gradients_by_norm_matches_fabrics_clipping():
-    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
-    expected = trained(model, "auto", batches, clip=0.05)
-    got = trained(model, "slideformer", batches, clip=0.05)
+@pytest.mark.parametrize(
+    "arch, strategy, clip",
+    [("llama", "slideformer", None), ("qwen2-tied", "slideformer", 0.05), ("llama", "slideformer_nvme", 0.05)],
+    ids=["plain", "clip-gradients-by-norm", "disk-tier-clipped"],
+)
+def test_steps_match_fabrics_single_device_adamw(arch, strategy, clip):
+    model, batches = tiny_model(arch), token_batches(STEPS)
+    expected = trained(model, "auto", batches, clip=clip)
+    got = trained(model, strategy, batches, clip=clip)
     assert relative_difference(expected, got) <= 1e-6
 
 
@@ -178,13 +176,6 @@ def test_a_model_built_from_a_config_with_empty_init_trains_and_its_loss_falls()
     fabric.strategy.teardown()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < 0.8 * losses[0]
-
-
-def test_the_disk_tier_trains_exactly_as_fabric():
-    model, batches = tiny_model("llama"), token_batches(STEPS)
-    expected = trained(model, "auto", batches, clip=0.05)
-    got = trained(model, "slideformer_nvme", batches, clip=0.05)
-    assert relative_difference(expected, got) <= 1e-6
 
 
 def test_a_model_set_up_without_an_optimizer_evaluates_as_the_plain_model():
