@@ -9,8 +9,8 @@ Gradient accumulation therefore needs nothing but several backwards before a ste
 
 The module's parameters become views of the engine's flat fp32 host storage. Hooks on the module keep the
 usual PyTorch calls right while updates run on the optimizer thread: `state_dict()` waits for the queued
-updates, `load_state_dict()` waits before it writes and reloads the GPU window after; `fabric.load` routes an
-optimizer's state into the engine's flat Adam state.
+updates, `load_state_dict()` waits before it writes and reloads the GPU window after; the optimizer's
+`load_state_dict()` (also under `fabric.load`) puts the loaded state into the engine's flat Adam state.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Callable, Generator, Mapping
+from typing import Any, Callable, Generator
 
 import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -102,6 +102,7 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         self._process_bytes = 0  # host memory the process held besides the model's weights at setup
         self.mode = FABRIC_MODE  # what the planning and the engine read
         self._hooks: list[RemovableHandle] = []
+        self._loading_optimizer = False  # the engine's own load_state_dict call is under way
 
     # The Trainer strategy's own definitions, which read only what this class sets up the same way: the names
     # "slideformer" and "slideformer_nvme", the device Fabric's connector hands over, and the micro-batch check.
@@ -176,6 +177,23 @@ class SlideFabricStrategy(SingleDeviceStrategy):
             module.register_load_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
             module.register_load_state_dict_post_hook(lambda *_: self.engine.master_changed()),
         ]
+        if optimizer is not None:
+            self._hooks += [
+                optimizer.register_state_dict_pre_hook(lambda _: self.engine.synchronize()),
+                optimizer.register_load_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+                optimizer.register_load_state_dict_post_hook(self._optimizer_loaded),
+            ]
+
+    def _optimizer_loaded(self, optimizer: Optimizer) -> None:
+        """torch's `load_state_dict` gave the optimizer new state tensors: copy them into the engine's flat Adam
+        state, which the updates read (the engine loads through `load_state_dict` itself: not twice)."""
+        if self._loading_optimizer:
+            return
+        self._loading_optimizer = True
+        try:
+            self.engine.load_optimizer_state(optimizer.state_dict())
+        finally:
+            self._loading_optimizer = False
 
     def _plan_memory(self, module: nn.Module, optimizer: Optimizer | None) -> None:
         """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit: the Trainer
@@ -250,37 +268,6 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         """torch's Adam state_dict format (as the Trainer strategy's checkpoints), read from the flat state."""
         self._synchronize()
         return optimizer.state_dict()
-
-    def load_checkpoint(
-        self,
-        path: Any,
-        state: nn.Module | Optimizer | dict[str, Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Fabric's loading, except that an optimizer's state goes into the engine's flat Adam state (torch's
-        `optimizer.load_state_dict` alone would leave the engine reading the old moments)."""
-        if isinstance(state, Optimizer):
-            self._load_optimizer(state, self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
-            return {}
-        if not isinstance(state, Mapping) or not any(isinstance(v, Optimizer) for v in state.values()):
-            return super().load_checkpoint(path, state, strict, weights_only)
-        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
-        rest = {k: v for k, v in state.items() if k not in optimizers}
-        remainder = super().load_checkpoint(path, rest or None, strict, weights_only) if rest else (
-            self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
-        state.update(rest)  # plain values were restored into `rest`; Fabric copies them back from `state`
-        for name, optimizer in optimizers.items():
-            if name not in remainder:
-                if strict:
-                    raise KeyError(f"The checkpoint {path} holds no {name!r} (it has {sorted(remainder)}).")
-                continue
-            self._load_optimizer(optimizer, remainder.pop(name))
-        return remainder
-
-    def _load_optimizer(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        self._check_optimizer(optimizer)
-        self.engine.load_optimizer_state(state_dict)
 
     def synchronize(self) -> None:
         """Wait for every queued copy and update: parameters and optimizer state are then current."""
