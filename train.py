@@ -6,12 +6,14 @@ Writes into the Hydra run dir: CSV and TensorBoard logs, checkpoints/, and hf_mo
 import logging
 import os
 import warnings
+from dataclasses import asdict
 from importlib.util import find_spec
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -21,9 +23,25 @@ from lightning_slide import SlideStrategy
 from lightning_slide.arguments import check_arguments
 from lightning_slide.callbacks import HFExport, ThroughputMemoryMonitor
 from lightning_slide.checkpoint_io import LinkedLastCheckpoint
+from lightning_slide.config import SlideConfig, omegaconf_schema
 from lightning_slide.data import TextDataModule, load_tokenizer
 from lightning_slide.lm import CausalLMModule
-from lightning_slide.models import build_model
+from lightning_slide.models import MODELS, build_model
+
+CONF = Path(__file__).resolve().parent / "conf"
+
+
+def register_configs(store: ConfigStore) -> None:
+    """The config nodes that come from the code, not from conf/: `slide_settings`, every SlideConfig field
+    with its default and type, which conf/offload/*.yaml extend and only override; and `model=<name>` for
+    each architecture of MODELS without a file of its own (conf/model/ holds only recipes that set more)."""
+    store.store(name="slide_settings", node=omegaconf_schema())
+    for name in MODELS:
+        if not (CONF / "model" / f"{name}.yaml").is_file():
+            store.store(group="model", name=name, node={"name": name})
+
+
+register_configs(ConfigStore.instance())
 
 
 def resolve_precision(precision: str) -> str:
@@ -42,6 +60,22 @@ def check_required(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ValueError("; ".join(REQUIRED.get(key, f"{key} needs a value ({key}=...)") for key in missing) + ".")
+
+
+#: The offload.* settings only the disk tier reads.
+DISK_TIER = ("nvme_path", "nvme_moments", "nvme_master", "gds")
+
+
+def check_offload_settings(offload: dict) -> None:
+    """An offload.* setting changed from its default that the chosen offload never reads is refused, not
+    ignored: offload=none runs no sliding runtime, and only offload=nvme has a disk tier."""
+    mode, defaults = offload["offload"], asdict(SlideConfig())
+    unused = [name for name, value in offload.items() if name in defaults and value != defaults[name]
+              and name != "offload" and (mode == "none" or (mode == "cpu" and name in DISK_TIER))]
+    if unused:
+        reader = "offload=nvme (the disk tier)" if mode == "cpu" else "offload=cpu or nvme (the sliding runtime)"
+        given = " ".join(f"offload.{name}={offload[name]}" for name in unused)
+        raise ValueError(f"{given}: read only by {reader}, not by offload={mode}. Choose that offload, or drop it.")
 
 
 def prepare_nvme_path(offload: dict) -> dict:
@@ -102,18 +136,27 @@ def checkpoints(settings: dict, run_dir: Path) -> LinkedLastCheckpoint:
     return LinkedLastCheckpoint(**{**settings, "dirpath": settings.get("dirpath") or run_dir / "checkpoints"})
 
 
-def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
-    """One fine-tuning run of the composed config, writing everything under `run_dir`."""
+def resolve(cfg: DictConfig) -> dict:
+    """The composed config as plain values, settled once before anything is built: open values named,
+    settings the chosen offload would ignore refused, the disk tier's folder made, precision "auto" decided."""
     check_required(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
+    check_offload_settings(c["offload"])
     c["offload"] = prepare_nvme_path(c["offload"])
+    c["trainer"] = {**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])}
+    return c
+
+
+def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
+    """One fine-tuning run of the composed config, writing everything under `run_dir`."""
+    c = resolve(cfg)
     L.seed_everything(c["seed"])
     sliding = c["offload"]["offload"] != "none"  # the engine fills meta placeholders unit by unit
     model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)  # checks the folder first
     tokenizer = load_tokenizer(c["model"]["pretrained"])
     module = CausalLMModule(model, **c["optim"])
     trainer = make_trainer(
-        {**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])},
+        c["trainer"],
         strategy=SlideStrategy(**c["offload"]),  # offload=none: plain single-device training
         default_root_dir=run_dir,
         logger=[CSVLogger(run_dir, name="csv", version=""), TensorBoardLogger(run_dir, name="tensorboard", version="")],

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+import types
+import typing
+from dataclasses import dataclass, fields, make_dataclass
+from typing import Any, Literal, Union
 
 Offload = Literal["none", "cpu", "nvme"]
 
@@ -12,12 +14,15 @@ Offload = Literal["none", "cpu", "nvme"]
 class SlideConfig:
     """Where training state lives and how the GPU window slides over the model.
 
-    offload: "cpu" keeps fp32 master weights and Adam state in host RAM and streams units through the GPU;
-        "none" keeps everything on the compute device (plain training); "nvme" adds the disk tier.
+    offload: where the fp32 master weights and the Adam state live. "cpu": in host RAM, with the model's units
+        streamed through the GPU and updated on the CPU; "nvme": also the disk tier (part of the moments, and
+        optionally of the masters and activations, in files); "none": everything on the compute device, as
+        plain training (every other setting is then unused).
     slots: GPU weight slots in the ring that decoder blocks slide through (>= 2: one computing, one loading),
         or "auto": start with 3 and, after the first step has shown the batch's peak memory, add as many as
-        the spare VRAM holds (up to one per block: blocks then stay resident from forward to backward); a
-        later micro-batch with more tokens gives the added slots back before its forward and sizes them again.
+        the spare VRAM holds (up to one per block: blocks then stay resident from forward to backward and cross
+        PCIe once per step instead of twice); a later micro-batch with more tokens gives the added slots back
+        before its forward and sizes them again.
     activations: where each unit's saved input waits for its backward: "device" (GPU memory), "cpu"
         (pinned host RAM, copied out and prefetched back asynchronously), "nvme" (files of the disk tier), or
         "auto" (the device while all inputs take at most half the free GPU memory, else the offload tier).
@@ -32,16 +37,21 @@ class SlideConfig:
         optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
     block_grad_buffers: GPU buffers, each one block in the compute dtype, that hold a block's gradient from its
         backward until it has left for the CPU (>= 2: one being written, one leaving); more let the backward
-        run further ahead of a slower CPU update.
-    chunk_elems: elements per gradient chunk on its way to the CPU optimizer (bounds pinned landing memory
-        and pipelines device-to-host copies with the update).
-    grad_buffers: pinned landing buffers of chunk_elems each, shared by all units.
-    use_kernels: patch the model with the Triton kernels of `ops` when the compute device is CUDA.
-    loss_chunk_mib: the fused loss's logits buffer (MiB) with the kernels: 63 keeps the loss head's transient
-        memory under 64 MiB; more buys speed (64k tokens at vocab 128256 on the H200: 424 ms with 63, 334 ms
-        with 256 MiB of whole rows, the shape 256 gives; benchmarks/results/s7/ops).
+        run further ahead of a slower CPU update, at one block of VRAM each.
+    chunk_elems: elements per gradient chunk on its way to the CPU optimizer: the size of each pinned landing
+        buffer, so it bounds that memory, and the grain at which device-to-host copies pipeline with updates.
+    grad_buffers: pinned host landing buffers of chunk_elems each, shared by all units (>= 2, so one copy
+        lands while the optimizer reads another).
+    use_kernels: patch the model with the Triton kernels of `lightning_slide.ops` (RMSNorm, RoPE, SwiGLU, a linear
+        cross-entropy that never materialises the logits) when the compute device is CUDA.
+    loss_chunk_mib: the fused loss's logits buffer (MiB) with the kernels. The loss head computes the logits a
+        block at a time into this one buffer, so it bounds the loss's transient GPU memory (63 keeps it under
+        64 MiB); a larger buffer means fewer, larger GEMMs: at 64k tokens, hidden 4096 and vocab 128256 (bf16
+        forward + backward on an H200), 424 ms within 63 MiB against 334 ms with 256 MiB of whole rows.
     nvme_path: directory for the disk tier (offload="nvme"; default: the system temporary directory). The
-        run's files go in a private directory there, removed when training ends (also after an error).
+        run's files go in a private directory there, preallocated, removed when training ends (also after an
+        error, and by the next run after a kill); a fast local disk, since the moments on disk move with every
+        update.
     nvme_moments: with offload="nvme", the fraction (0..1) of the Adam moments kept on disk (whole units, in
         index order) instead of RAM; None lets the strategy choose the least that fits the free RAM.
     nvme_master: with offload="nvme", the units whose moments are on disk keep their fp32 master weights in
@@ -54,7 +64,8 @@ class SlideConfig:
         host buffers, copied over PCIe by the runtime). Direct costs the staging buffers' GPU memory.
     stall_timeout_s: seconds without any background worker (optimizer, copy, disk threads) starting or finishing
         an item, while training waits for them, after which fit stops with an error naming the stalled worker,
-        its item and its stack; None: max(300 s, 10 x the longest item so far).
+        its item and its stack (a hung disk or a deadlock ends the run instead of hanging it); None:
+        max(300 s, 10 x the longest item so far).
     """
 
     offload: Offload = "cpu"
@@ -109,6 +120,28 @@ class SlideConfig:
         if unknown:
             raise TypeError(f"Unknown slideformer setting(s) {unknown}; valid settings are {sorted(known)}.")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def omegaconf_schema() -> type:
+    """SlideConfig's fields and defaults as a dataclass that OmegaConf can type-check: train.py's `offload`
+    settings are made from it, so the command line knows every setting, its default and its type
+    (`offload.chunk_elems=abc` is refused at composition, naming the key) without a second copy of them.
+    OmegaConf has no Literal: a Literal becomes the type of its values, which SlideConfig checks."""
+    hints = typing.get_type_hints(SlideConfig)
+    settings = [(f.name, _omegaconf_type(hints[f.name]), f.default) for f in fields(SlideConfig)]
+    return make_dataclass("SlideSettings", settings)
+
+
+def _omegaconf_type(hint: Any) -> Any:
+    """The nearest type OmegaConf validates: Literal["a", "b"] -> str, int | Literal["auto"] -> Union[int, str]."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        kinds = {type(value) for value in typing.get_args(hint)}
+        return kinds.pop() if len(kinds) == 1 else Any
+    if origin in (Union, types.UnionType):
+        members = tuple(dict.fromkeys(_omegaconf_type(arg) for arg in typing.get_args(hint)))
+        return members[0] if len(members) == 1 else Union[members]
+    return hint
 
 
 _HINTS = {

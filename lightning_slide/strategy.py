@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Generator, Mapping
 
 import torch
@@ -56,10 +56,14 @@ def _token_shape(batch: Any) -> tuple[int, int] | None:
 class SlideStrategy(SingleDeviceStrategy):
     """Full-parameter training of a causal LM larger than the GPU: layers slide through a GPU window.
 
-    Keyword settings are the fields of :class:`lightning_slide.config.SlideConfig` (``offload``, ``slots``,
-    ``activations``, ``h2d_source``, ...). The Trainer's ``precision`` flag is honoured
-    (``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``).
+    Every setting of the sliding runtime is a field of :class:`~lightning_slide.config.SlideConfig`, whose
+    docstring says what each does; pass them as a ``SlideConfig``, as keywords, or both (keywords win)::
 
+        Trainer(strategy="slideformer")                                 # SlideConfig's defaults
+        Trainer(strategy=SlideStrategy(offload="nvme", nvme_path="/mnt/nvme", slots=4))
+        Trainer(strategy=SlideStrategy(SlideConfig(recompute="always"), activations="cpu"))
+
+    The Trainer's ``precision`` flag is honoured (``"bf16-mixed"``, ``"bf16-true"`` or ``"32-true"``).
     ``offload="none"`` is plain single-device training, exactly as Lightning's ``SingleDeviceStrategy``: no
     engine, the module and the optimizer state on the compute device, any torch optimizer, and Lightning's own
     precision plugins, gradient clipping and accumulation. The other settings are then unused.
@@ -69,13 +73,25 @@ class SlideStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
+        config: SlideConfig | None = None,
+        *,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
         **settings: Any,
     ) -> None:
-        self.config = SlideConfig.from_kwargs(**settings)
+        """
+        Args:
+            config: the runtime's settings; None: SlideConfig's defaults.
+            device: the compute device; None: the Trainer's ``accelerator`` and ``devices`` decide.
+            accelerator, precision_plugin: as for Lightning's ``SingleDeviceStrategy``.
+            checkpoint_io: how checkpoints are written; default: atomically (a temporary file, then renamed).
+            **settings: SlideConfig fields that replace those of ``config`` (``offload="nvme"``, ``slots=4``);
+                the registry's ``strategy="slideformer_nvme"`` passes ``offload="nvme"`` so. An unknown name is
+                refused with the list of valid ones.
+        """
+        self.config = SlideConfig.from_kwargs(**{**asdict(config or SlideConfig()), **settings})
         if self.config.offload == "nvme" and self.config.nvme_path is None:
             self.config = replace(self.config, nvme_path=tempfile.gettempdir())
         super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision_plugin)

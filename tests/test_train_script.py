@@ -6,6 +6,7 @@ import os
 import runpy
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,10 +152,9 @@ def test_malformed_jsonl_names_the_line(tmp_path):
         train(config("offload=none", "data=jsonl", f"data.path={path}"), tmp_path)
 
 
-def test_every_model_recipe_names_a_registered_model():
-    recipes = {p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")}
-    assert recipes == set(MODELS)
-    assert all(config(f"model={name}").model.name == name for name in recipes)
+def test_every_registered_architecture_is_a_model_choice_and_every_recipe_one_of_them():
+    assert {p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")} <= set(MODELS)
+    assert all(config(f"model={name}").model.name == name for name in MODELS)
 
 
 def test_model_recipe_sets_its_learning_rate_and_the_command_line_wins():
@@ -162,13 +162,31 @@ def test_model_recipe_sets_its_learning_rate_and_the_command_line_wins():
     assert config("model=llama3_8b", "optim.lr=2e-5").optim.lr == 2e-5
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_offload_recipes_are_valid_slide_configs_that_name_every_setting(offload):
-    from dataclasses import fields
-
+@pytest.mark.parametrize("offload", ["cpu", "nvme", "none"])
+def test_each_offload_choice_is_every_slide_config_setting_at_its_default(offload):
     settings = OmegaConf.to_container(config(f"offload={offload}").offload)
-    assert SlideConfig.from_kwargs(**settings).offload == offload
-    assert {f.name for f in fields(SlideConfig)} - set(settings) <= {"nvme_path", "nvme_moments", "nvme_master", "gds"}
+    assert settings == asdict(SlideConfig(offload=offload))
+
+
+def test_offload_settings_reach_the_strategy_with_their_types():
+    c = config("offload=nvme", "offload.slots=4", "offload.loss_chunk_mib=256", "offload.nvme_moments=0.5")
+    assert SlideConfig.from_kwargs(**OmegaConf.to_container(c.offload)) == SlideConfig(
+        offload="nvme", slots=4, loss_chunk_mib=256.0, nvme_moments=0.5)
+
+
+def test_an_offload_setting_of_the_wrong_type_is_refused_when_composed_with_its_key():
+    with pytest.raises(ConfigCompositionException, match=r"offload\.chunk_elems=abc") as error:
+        config("offload.chunk_elems=abc")
+    assert "could not be converted to Integer" in str(error.value.__cause__)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["offload=cpu", "offload.nvme_path=/mnt/nvme"], r"offload\.nvme_path=/mnt/nvme: read only by offload=nvme"),
+    (["offload=none", "offload.slots=4"], r"offload\.slots=4: read only by offload=cpu or nvme"),
+], ids=["disk-tier-setting-on-cpu", "sliding-setting-on-none"])
+def test_a_setting_the_chosen_offload_does_not_read_is_refused_before_building(overrides, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        train(config(*overrides), tmp_path)
 
 
 def test_export_settings_shape_the_hf_folder(tmp_path):
