@@ -90,6 +90,21 @@ class ActivationStore:
         self._disk_read = self._disk_written = 0
         self.bytes_out = self.bytes_in = 0
 
+    @staticmethod
+    def region_bytes(input_bytes: int) -> int:
+        """A saved input's disk region and staging buffer: the input, aligned for direct I/O."""
+        return align(input_bytes)
+
+    @classmethod
+    def disk_bytes_for(cls, saves: int, input_bytes: int) -> int:
+        """The disk files of one forward pass: a region per saved input."""
+        return saves * cls.region_bytes(input_bytes)
+
+    @classmethod
+    def staging_bytes(cls, input_bytes: int) -> int:
+        """The disk path's staging buffers (pinned RAM, or GPU memory with direct I/O)."""
+        return DISK_BUFFERS * cls.region_bytes(input_bytes)
+
     def new_micro_batch(self) -> None:
         self._where = None
         self._saved_keys.clear()
@@ -141,7 +156,7 @@ class ActivationStore:
         """The disk spill, (re)built when an input is larger than its regions; a file region per key."""
         if self.disk is None or value.numel() * value.element_size() > self._region_bytes:
             self._close_disk()
-            self._region_bytes = align(value.numel() * value.element_size())
+            self._region_bytes = self.region_bytes(value.numel() * value.element_size())
             self.disk = Spill("activations", DISK_BUFFERS, self._region_bytes, value.is_cuda, self.failure,
                               value.device if self.direct else None)
         if key not in self.disk.regions:

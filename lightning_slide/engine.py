@@ -1,15 +1,15 @@
 """The sliding engine: trains a model larger than the GPU by streaming units through a window of GPU slots.
 
-Each intercepted module call (a *part* of a unit) runs as one autograd node. Its forward loads the unit's
-weights into a slot, computes under no-grad and keeps only the part's input. Its backward fetches that
-input back, recomputes the part with its weights as fresh leaves, writes the weight gradients into the
-slot, and, once every part of a unit is done, hands the unit's gradient to the copy thread and Layer-Adam.
-The next forward needs the units in ascending order and the backward finishes them in descending order, so
-the lowest blocks (as many as there are gradient buffers: they hold their own) wait for the backward's last
-gradient and then go lowest first: the updates the next forward waits for come before those it does not.
-Where device memory is spare, a call keeps its graph instead and its backward skips the recompute (`graphs.py`).
-The engine imports no Lightning: the strategy (or any plain loop) drives it through `begin_step`,
-`end_step`, `synchronize` and the state methods.
+Each intercepted module call (a *part* of a unit) runs as one autograd node (`parts.py`). Its forward loads
+the unit's weights into a slot, computes under no-grad and keeps only the part's input. Its backward fetches
+that input back, recomputes the part with its weights as fresh leaves, writes the weight gradients into a GPU
+gradient buffer, and, once every part of a unit is done, hands the unit's gradient to the copy thread and
+Layer-Adam (`gradients.py`). The next forward needs the units in ascending order and the backward finishes
+them in descending order, so the lowest blocks (as many as there are block gradient buffers: they hold their
+own) wait for the backward's last gradient and then go lowest first: the updates the next forward waits for
+come before those it does not. Where device memory is spare, a call keeps its graph instead and its backward
+skips the recompute (`graphs.py`). The engine imports no Lightning: the strategy (or any plain loop) drives
+it through `begin_step`, `end_step`, `synchronize` and the state methods.
 """
 
 from __future__ import annotations
@@ -17,210 +17,32 @@ from __future__ import annotations
 import math
 import tempfile
 import weakref
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.available import available_vram
 from lightning_slide.config import SlideConfig
-from lightning_slide.graphs import GraphBudget, SlotViews
+from lightning_slide.gradients import GradRouter
+from lightning_slide.graphs import GraphBudget
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units, unit_file
+from lightning_slide.parts import Binding, Call, Part, PartFunction, run_part
 from lightning_slide.step_mode import StepMode
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import DiskFile, TierDirectory, direct_io
-from lightning_slide.transfer import Dispatch, GradPump, LandingRing
-from lightning_slide.window import GradBuffer, Slot, Window
-
-
-@dataclass(frozen=True)
-class Binding:
-    """One parameter as a part uses it: where it lives in its owner unit's slot."""
-
-    module: nn.Module
-    name: str
-    param: nn.Parameter
-    owner: int
-    offset: int
-    trainable: bool
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.offset : self.offset + self.param.numel()].view(self.param.shape)
-
-
-@dataclass
-class Part:
-    unit: int
-    module: nn.Module
-    forward: Any  # the module's own forward, called with slot tensors bound in place of its parameters
-    bindings: list[Binding]
-    needs_rng: bool
-    own_forward: Any = None  # an instance-level forward that was there before ours (e.g. a kernel patch)
-
-    @property
-    def owners(self) -> list[int]:
-        return sorted({b.owner for b in self.bindings} | {self.unit})
-
-    @property
-    def trainable_owners(self) -> list[int]:
-        return sorted({b.owner for b in self.bindings if b.trainable})
-
-
-@contextmanager
-def _bound(bindings: list[Binding], tensors: list[torch.Tensor]) -> Iterator[None]:
-    """Temporarily let each module see a slot tensor where its parameter is."""
-    for b, t in zip(bindings, tensors):
-        b.module._parameters[b.name] = t
-    try:
-        yield
-    finally:
-        for b in bindings:
-            b.module._parameters[b.name] = b.param
-
-
-class _PartFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, call: "_Call", anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.call = call
-        outputs = call.forward(inputs)
-        ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
-        return outputs
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, None, *ctx.call.backward(grads))
-
+from lightning_slide.transfer import GradPump, LandingRing, gradient_chunk
+from lightning_slide.window import Slot, Window
 
 VRAM_HEADROOM = 0.1  # of the usable GPU memory, kept free when slots="auto" grows the window
-_TENSOR = object()  # marks where an output tensor goes when a call's output structure is rebuilt
-
-
-class _Call:
-    """One forward call of a part, remembered until its backward: its input (recomputed then), or, when the
-    graph budget admits it, its whole graph (`kept`)."""
-
-    def __init__(self, engine: "SlideEngine", part: Part, args: tuple, kwargs: dict) -> None:
-        self.engine, self.part = engine, part
-        self.leaves, self.spec = tree_flatten((args, kwargs))
-        self.grad_positions = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        self.elements = sum(x.numel() for x in self.leaves if isinstance(x, torch.Tensor))
-        self.saved: list[Saved] = []
-        self.kept: int | None = None  # bytes reserved for this call's kept graph; None: recomputed
-        self.graph: Any = None
-        self.prev: weakref.ref | None = None
-        self.out_leaves: list[Any] = []
-        self.out_spec = None
-
-    def grad_inputs(self) -> list[torch.Tensor]:
-        return [self.leaves[i] for i in self.grad_positions]
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        engine = self.engine
-        slots = engine._enter(self.part, +1)
-        self.kept = engine.graphs.admit(self.part, self.elements)
-        if self.kept is None:  # the backward recomputes: keep only the inputs
-            self.saved = [engine.activations.save((engine._tape_position, i), x.detach()) for i, x in enumerate(inputs)]
-            self.autocast = _autocast_state(engine.device)
-            self.rng = _rng_state(engine.device) if self.part.needs_rng else None
-            out = engine._compute(self.part, slots, self.leaves, self.spec, {})
-        else:
-            out = self.graph = self._record(slots, [x.detach().requires_grad_(True) for x in inputs], keep=True)
-        engine._leave(self.part, slots, +1)
-        for i in self.grad_positions:  # the saved copy (or the graph) is the only reference the backward needs
-            self.leaves[i] = None
-        leaves, self.out_spec = tree_flatten(out)
-        # Keep no output tensor here: an output holds this node, which holds this call (a leaking cycle).
-        self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        return tuple(x.detach() if self.kept is not None else x for x in leaves if isinstance(x, torch.Tensor))
-
-    def _record(self, slots: dict[int, Slot], inputs: list[torch.Tensor], keep: bool = False) -> Any:
-        """Run the part with its inputs and trainable weights as fresh leaves, recording its graph.
-
-        A graph kept until the backward saves slot tensors as places (`SlotViews`), so the slots may serve
-        other units in between; a recompute's graph is used at once and needs no hooks.
-        """
-        self.inputs = inputs
-        leaves = list(self.leaves)
-        for i, x in zip(self.grad_positions, inputs):
-            leaves[i] = x
-        self.trainable = [b for b in self.part.bindings if b.trainable]
-        self.weights = {id(b): b.view(slots[b.owner].params).detach().requires_grad_(True) for b in self.trainable}
-        self.views = SlotViews(slots) if keep else None
-        with torch.enable_grad(), self.views or nullcontext():
-            return self.engine._compute(self.part, slots, leaves, self.spec, self.weights)
-
-    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        it = iter(tensors)
-        return tree_unflatten([next(it) if x is _TENSOR else x for x in self.out_leaves], self.out_spec)
-
-    def prefetch(self) -> None:
-        for s in self.saved:
-            s.prefetch()
-
-    def backward(self, grad_outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
-        engine, part = self.engine, self.part
-        slots = engine._enter(part, -1)
-        self.prefetch()  # own inputs first: saved inputs come back in exactly the reverse order of saving
-        prev = self.prev() if self.prev is not None else None
-        if prev is not None:
-            prev.prefetch()
-        if self.kept is None:
-            inputs = [s.get().detach().requires_grad_(True) for s in self.saved]
-            engine._inputs_back(part.unit, self.saved)
-            before = engine.allocated()
-            with _restored(self.autocast, self.rng, engine.device):
-                out = self._record(slots, inputs)
-            engine.graphs.measured(part, engine.allocated() - before, self.elements)
-        else:
-            out, self.graph = self.graph, None
-            self.views.slots = slots  # the units' weights are where they are now
-            engine.graphs.release(self.kept)
-        pairs = [
-            (o, g)
-            for o, g in zip((x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)), grad_outputs)
-            if g is not None and o.requires_grad
-        ]
-        grads = torch.autograd.grad(
-            [o for o, _ in pairs], [*self.inputs, *self.weights.values()], [g for _, g in pairs], allow_unused=True
-        )
-        engine._store_grads(part, self.trainable, grads[len(self.inputs) :])
-        engine._leave(part, slots, -1)
-        self.saved, self.leaves, self.inputs, self.trainable, self.weights, self.views = [], [], [], [], {}, None
-        return list(grads[: len(self.grad_positions)])
-
-
-def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-@contextmanager
-def _restored(autocast: tuple[bool, torch.dtype], rng: tuple | None, device: torch.device) -> Iterator[None]:
-    """Recompute under the autocast and RNG state of the original forward (dropout masks must match)."""
-    with ExitStack() as stack:
-        stack.enter_context(torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]))
-        if rng is not None:
-            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-            torch.set_rng_state(rng[0])
-            if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], device)
-        yield
 
 
 class SlideEngine:
@@ -250,75 +72,103 @@ class SlideEngine:
             device = torch.device("cuda", torch.cuda.current_device())
         self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
         self.failure = Failure(config.stall_timeout_s)
-        self.mode, self.clip_norm, self._clip_once = mode, mode.clip_norm, None
-        self.deferred = mode.deferred
-        self.needs_acc = mode.holds_grads
-        self.model = find_causal_lm(root)
-        _check_all_parameters_inside(root, self.model)
-        self._optimized = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-        self._trains = [p.requires_grad for p in self._optimized]
-        self._prepare_model()
-        specs = causal_lm_units(self.model)
-        group_of = _group_index(optimizer, root) if optimizer is not None else {}
-        owner, owned = _ownership(specs)
-        training = optimizer is not None
-        self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
-        files = self._disk_files(specs, owned, group_of) if self.tier and training else {}
-        self.storages = [UnitStorage(i, spec.name, owned[i], group_of, files.get(i) if config.nvme_master else None)
-                         for i, spec in enumerate(specs)]
-        materialize_(self.model, [spec.parts for spec in specs], set().union(*(s.placeholders for s in self.storages)),
-                     device)
-        self.parts = [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
-        self._add_host_state(optimizer)
-        self._move_buffers(root)
-        self.compute = Lane(device, side=False)
-        self.h2d, self.d2h = Lane(device, side=True), Lane(device, side=True)
-        chunk = min(config.chunk_elems, max(s.trainable_numel for s in self.storages))
-        self.moments = Moments(self.storages, files, chunk, self.failure)
-        self.adam = LayerAdam(self.storages, self.moments, self.failure)
-        self.window = Window(self.storages, [s.dedicated for s in specs], config.initial_slots, dtype, device,
-                             self.h2d, self.adam, training, config.chunk_elems, config.block_grad_buffers)
-        pin = device.type == "cuda"
-        widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
-        self.pump = GradPump(LandingRing(config.grad_buffers, chunk, pin, self.failure), self.d2h, self.adam,
-                             self.failure, widen_on) if training else None
-        direct = self.tier is not None and direct_io(config.gds, device)
-        self.activations = ActivationStore(config.activations, device, self.compute, self.h2d, self.d2h, len(self.parts),
-                                          self.tier, self.failure, direct)
-        self.activations.before_reuse = self._reclaim
-        self._anchor = torch.empty(0, device=device, requires_grad=True)
-        self._pending = [0] * len(self.storages)
-        ring_units = [u for u, s in enumerate(self.storages) if s.trainable_numel and u not in self.window.dedicated]
-        self._held_back = set(ring_units[: len(self.window.grad_ring)])
-        self._held: list[Dispatch] = []
-        self._update_order = [u for u in reversed(range(len(self.storages))) if u not in self._held_back]
-        self._update_order += sorted(self._held_back)
-        self._written: set[int] = set()
-        self._receiving: dict[int, GradBuffer] = {}
-        self._holding: dict[int, torch.Tensor] = {}  # unit -> where its gradient waits for this step's update
-        self._spare: dict[int, torch.Tensor] = {}  # unit -> a host buffer its backward freed (`_gradient_home`)
-        self._lent: dict[int, int] = {}  # data_ptr of a saved-input buffer -> the unit whose gradient it holds
-        self._plan: StepPlan | None = None
-        self._window_units: set[int] = set()  # units that got a gradient since the last optimizer step
-        self._norms_measured = False  # the final sums were measured as they came (they came under a plan)
-        self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
-        self._step = 0
-        self._adapted = False
-        self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
-        self._step_tokens = 0
-        self.adaptation: str | None = None  # what the last adaptation did, for the log
-        self.graphs = GraphBudget(config.recompute)
-        self._step_tensors: list[torch.Tensor] = []
-        self._tape_position = 0
-        self._last_call: weakref.ref | None = None
-        self.wait_grads_s = 0.0
-        self.wait_drain_s = 0.0
+        self._setup_mode(mode)
+        self._setup_model(root, optimizer)
+        files = self._setup_host_state(root, optimizer)
+        self._setup_lanes()
+        self._setup_optimizer_and_window(files)
+        self._setup_transfer()
+        self._setup_activations()
+        self._setup_step_state()
         if optimizer is not None:
             self._bind_optimizer_state()
         for part in self.parts:
             part.module.forward = partial(self._forward, part)
 
     # ----------------------------------------------------------------------------------------- setup
+    def _setup_mode(self, mode: StepMode) -> None:
+        self.mode, self.clip_norm, self._clip_once = mode, mode.clip_norm, None
+        self.deferred = mode.deferred
+
+    def _setup_model(self, root: nn.Module, optimizer: Optimizer | None) -> None:
+        """The causal LM inside `root`, which parameters the optimizer trains, and the model made ready."""
+        self.model = find_causal_lm(root)
+        _check_all_parameters_inside(root, self.model)
+        self._optimized = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        self._trains = [p.requires_grad for p in self._optimized]
+        self._prepare_model()
+
+    def _setup_host_state(self, root: nn.Module, optimizer: Optimizer | None) -> dict[int, DiskFile]:
+        """Flat host storage per unit (parameters become views of it), the parts that bind them, the disk tier."""
+        specs = causal_lm_units(self.model)
+        group_of = _group_index(optimizer, root) if optimizer is not None else {}
+        owner, owned = _ownership(specs)
+        config = self.config
+        self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
+        files = self._disk_files(specs, owned, group_of) if self.tier and optimizer is not None else {}
+        self.storages = [UnitStorage(i, spec.name, owned[i], group_of, files.get(i) if config.nvme_master else None)
+                         for i, spec in enumerate(specs)]
+        materialize_(self.model, [spec.parts for spec in specs], set().union(*(s.placeholders for s in self.storages)),
+                     self.device)
+        self.parts = [self._part(u, m, owner, group_of) for u, spec in enumerate(specs) for m in spec.parts]
+        self._dedicated = [spec.dedicated for spec in specs]
+        self._add_host_state(optimizer)
+        self._move_buffers(root)
+        return files
+
+    def _setup_lanes(self) -> None:
+        self.compute = Lane(self.device, side=False)
+        self.h2d, self.d2h = Lane(self.device, side=True), Lane(self.device, side=True)
+
+    def _setup_optimizer_and_window(self, files: dict[int, DiskFile]) -> None:
+        """The Adam state's tiers, the optimizer thread, and the GPU window of weight slots and gradient buffers."""
+        config = self.config
+        self.moments = Moments(self.storages, files, self._chunk_elems(), self.failure)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure)
+        self.window = Window(self.storages, self._dedicated, config.initial_slots, self.dtype, self.device,
+                             self.h2d, self.adam, self.optimizer is not None, config.chunk_elems,
+                             config.block_grad_buffers)
+
+    def _chunk_elems(self) -> int:
+        """Elements per gradient chunk: `chunk_elems`, or the largest unit's trainable size where that is less."""
+        return gradient_chunk(self.config.chunk_elems, [s.trainable_numel for s in self.storages])
+
+    def _setup_transfer(self) -> None:
+        """The copy thread and its pinned landing ring (training only)."""
+        device, dtype = self.device, self.dtype
+        pin = device.type == "cuda"
+        widen_on = device if device.type == "cuda" and dtype != torch.float32 else None
+        self.pump = None
+        if self.optimizer is not None:
+            ring = LandingRing(self.config.grad_buffers, self._chunk_elems(), pin, self.failure)
+            self.pump = GradPump(ring, self.d2h, self.adam, self.failure, widen_on)
+
+    def _setup_activations(self) -> None:
+        direct = self.tier is not None and direct_io(self.config.gds, self.device)
+        self.activations = ActivationStore(self.config.activations, self.device, self.compute, self.h2d, self.d2h,
+                                           len(self.parts), self.tier, self.failure, direct)
+
+    def _setup_step_state(self) -> None:
+        """The gradient routing and its bookkeeping, the step counter, the window's adaptation, the kept graphs."""
+        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.grads = GradRouter(self.storages, self.window, self.compute, self.adam, self.pump, self.moments,
+                                self.mode, self.dtype, self.device, self.failure)
+        self.activations.before_reuse = self.grads.reclaim
+        self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
+        self._step = 0
+        self._adapted = False
+        self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
+        self._step_tokens = 0
+        self.adaptation: str | None = None  # what the last adaptation did, for the log
+        self.graphs = GraphBudget(self.config.recompute)
+        self._step_tensors: list[torch.Tensor] = []
+        self.wait_drain_s = 0.0
+
+    @property
+    def wait_grads_s(self) -> float:
+        """Seconds the training thread waited for gradient buffers and for the updates of lent buffers."""
+        return self.grads.wait_s
+
     def _prepare_model(self) -> None:
         """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training.
 
@@ -392,25 +242,28 @@ class SlideEngine:
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             if torch.is_grad_enabled():
                 raise ValueError("slideformer trains without a KV cache: call the model with use_cache=False.")
-        call = _Call(self, part, args, kwargs)
+        call = Call(self, part, args, kwargs)
         if not (torch.is_grad_enabled() and (part.trainable_owners or call.grad_positions)):
             return call.rebuild(call.forward(()))
-        call.prev = self._last_call
-        outputs = _PartFunction.apply(call, self._anchor, *call.grad_inputs())
-        self._last_call = weakref.ref(call)
-        self._tape_position += 1
-        for u in part.trainable_owners:
-            self._pending[u] += 1
+        book = self.grads.book
+        call.prev = book.last_call
+        outputs = PartFunction.apply(call, self._anchor, *call.grad_inputs())
+        book.last_call = weakref.ref(call)
+        book.position += 1
+        self.grads.expect(part)
         return call.rebuild(outputs)
 
-    def _enter(self, part: Part, direction: int) -> dict[int, Slot]:
+    # What a part's call needs of the engine (`parts.PartHost`).
+    def enter(self, part: Part, direction: int) -> dict[int, Slot]:
+        """The slots of every unit the part reads, loaded (or loading) and ordered before the part's compute."""
         protect = set(part.owners)
         slots = {u: self.window.ensure(u, part.unit, direction, protect) for u in part.owners}
         for slot in slots.values():
             self.compute.wait(slot.loaded)
         return slots
 
-    def _leave(self, part: Part, slots: dict[int, Slot], direction: int) -> None:
+    def leave(self, part: Part, slots: dict[int, Slot], direction: int) -> None:
+        """The part's compute is queued: its slots are free after it; load the next units of the pass ahead."""
         done = self.compute.record()
         for slot in slots.values():
             slot.params_free = done
@@ -421,154 +274,31 @@ class SlideEngine:
             if self.adam.ready(u):  # a prefetch never waits for an update (at a step's start): the unit's call will
                 self.window.ensure(u, part.unit, direction, protect)
 
-    def _compute(self, part: Part, slots: dict[int, Slot], leaves: list, spec: Any, weights: dict) -> Any:
-        tensors = [weights.get(id(b)) if id(b) in weights else b.view(slots[b.owner].params) for b in part.bindings]
-        with _bound(part.bindings, tensors):
-            args, kwargs = tree_unflatten(leaves, spec)
-            return part.forward(*args, **kwargs)
+    def compute_part(self, part: Part, slots: dict[int, Slot], leaves: list, spec: Any, weights: dict) -> Any:
+        return run_part(part, slots, leaves, spec, weights)
 
-    def _store_grads(self, part: Part, bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]) -> None:
-        for u in part.trainable_owners:
-            if u not in self._receiving:
-                buffer = self._receiving[u] = self.window.grads_for(u)
-                self.wait_grads_s += self.failure.wait(buffer.idle.is_set, "a free gradient buffer")
-                self.compute.wait(buffer.free)
-        for b, g in zip(bindings, grads):
-            dst = b.view(self._receiving[b.owner].grads)
-            first = id(b.param) not in self._written
-            self._written.add(id(b.param))
-            if g is None:
-                if first:
-                    dst.zero_()
-            elif first:
-                dst.copy_(g)
-            else:
-                dst.add_(g)
-        for u in part.trainable_owners:
-            self._pending[u] -= 1
-            if self._pending[u] == 0:
-                self._dispatch(u)
+    def save_input(self, index: int, value: torch.Tensor) -> Saved:
+        """Keep the `index`-th input of the forward's current call for its backward."""
+        return self.activations.save((self.grads.book.position, index), value)
 
-    def _dispatch(self, unit: int) -> None:
-        """A unit's gradient is complete: send it to the optimizer (update now, or accumulate)."""
-        if self._plan is None and not self.needs_acc:
-            raise RuntimeError("A backward ran outside an optimizer step, but this run keeps no gradient sums: "
-                               "gradient accumulation must be known when fit starts (accumulate_grad_batches, or a "
-                               "GradientAccumulationScheduler among the Trainer's callbacks).")
-        storage = self.storages[unit]
-        first = self.needs_acc and unit not in self._window_units
-        if self.needs_acc and not first and not self.mode.sums:
-            raise RuntimeError(
-                f"Unit {storage.name} got a second gradient before its optimizer step, but this fit holds one "
-                "gradient per unit and step (no accumulation was announced): set accumulate_grad_batches > 1 "
-                "(or a GradientAccumulationScheduler) when fit starts to sum several backwards.")
-        sums = None
-        if first:
-            home, pinned = self._gradient_home(unit)
-            self._holding[unit] = home
-            sums = home if self._lands_directly(pinned) else None  # else through the landing ring
-        if sums is not None:
-            # the window's first gradient lands in the sums, which the unit's last update must have read (its
-            # forward waited for that update, so this returns at once)
-            self.adam.wait_applied(unit)
-        update = self._plan is not None and not self.deferred
-        if update:
-            self.adam.schedule(unit)
-        self._window_units.add(unit)
-        self._norms_measured = self._plan is not None
-        buffer = self._receiving.pop(unit)
-        buffer.idle.clear()
-        self._written.difference_update(id(p) for p in storage.params)
-        dispatch = Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), self._plan,
-                            self.needs_acc, update, buffer.release, first, sums)
-        if unit in self._held_back:
-            self._held.append(dispatch)
-        else:
-            self.pump.put(dispatch)
-        if not any(self._pending):  # the backward's last gradient
-            self._check_planned_reads()
-            self._release_held()
+    def inputs_back(self, unit: int, saved: list[Saved]) -> None:
+        self.grads.inputs_back(unit, saved)
 
-    def _gradient_home(self, unit: int) -> tuple[torch.Tensor, bool]:
-        """Where the window's gradient of `unit` waits on the host, and whether that memory is pinned (a copy
-        from the GPU goes straight in only then; else it would stall).
-
-        fp32 sums have their own buffer. A step that holds one gradient as it came puts it in the host buffer of
-        the unit's saved input that its backward has just freed, where that is large enough (at 64 x 1024 tokens
-        a Llama-3.1-8B block's input takes 512 MiB, its bf16 gradient 436 MB): the gradient then costs no memory
-        of its own. The next forward saves into that buffer only after the unit's update (`_reclaim`). Other
-        units get a buffer of their own at first use.
-        """
-        storage = self.storages[unit]
-        spare = self._spare.pop(unit, None)
-        nbytes = storage.trainable_numel * torch.empty(0, dtype=self.dtype).element_size()
-        if not self.mode.sums and spare is not None and spare.numel() * spare.element_size() >= nbytes:
-            self._lent[spare.data_ptr()] = unit
-            return spare.view(-1).view(torch.uint8)[:nbytes].view(self.dtype), spare.is_pinned()
-        if storage.grad_acc is None:
-            storage.add_grad_accumulator(self.mode.held_dtype(self.dtype))
-        return storage.grad_acc, storage.acc_pinned
-
-    def _lands_directly(self, pinned: bool) -> bool:
-        """A copy from the GPU goes straight into host memory only where that is pinned (else it would stall)."""
-        return pinned or self.device.type != "cuda"
-
-    def _inputs_back(self, unit: int, saved: list[Saved]) -> None:
-        """A part's saved inputs are back on the device: the largest host buffer among them may hold the unit's
-        gradient (work on the d2h lane after this backward is ordered after the compute that read them)."""
-        if self.mode.sums or not self.mode.holds_grads:
-            return
-        for t in (s.host_tensor for s in saved):
-            best = self._spare.get(unit)
-            if t is not None and (best is None or t.numel() * t.element_size() > best.numel() * best.element_size()):
-                self._spare[unit] = t
-
-    def _reclaim(self, buffer: torch.Tensor) -> None:
-        """A forward is about to save an input into `buffer`: if a unit's gradient waits there, its update first."""
-        unit = self._lent.pop(buffer.data_ptr(), None)
-        if unit is not None:
-            self.wait_grads_s += self.adam.wait_applied(unit)
-
-    def _check_planned_reads(self) -> None:
-        """Updates during the backward read their disk state in an order planned when the step began (reads run
-        ahead of the backward): a unit on disk that got no gradient would leave its planned reads untaken."""
-        if self.deferred or self._plan is None:
-            return
-        idle = [self.storages[u].name for u in self.moments.on_disk if u not in self._window_units]
-        if idle:
-            raise RuntimeError(
-                f"With Adam state on disk every trainable unit needs a gradient in each step, but {idle} got none "
-                "(is the model fed inputs_embeds made outside it?). Clip gradients or accumulate (updates then "
-                "follow the backward and skip such units), or keep the state in RAM (offload='cpu').")
-
-    def _release_held(self) -> None:
-        """Hand the held-back gradients over, lowest unit first (the order the next forward loads them)."""
-        for dispatch in sorted(self._held, key=lambda d: d.unit):
-            self.pump.put(dispatch)
-        self._held.clear()
+    def store_grads(self, part: Part, bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]) -> None:
+        self.grads.store(part, bindings, grads)
 
     # ------------------------------------------------------------------------------ the step protocol
     def new_micro_batch(self, tokens: int | None = None) -> None:
         """Forget a graph that was never backpropagated (its parts will not report back). `tokens`, when the
         caller knows them: a micro-batch larger than the one the window was sized for sizes it again."""
-        self._abandon_graph()
-        self._tape_position = 0
-        self._last_call = None
-        self._spare.clear()
+        self.grads.abandon()
+        self.grads.book.new_micro_batch()
         self.activations.new_micro_batch()
         self.graphs.new_micro_batch()
         if tokens is not None:
             if self._adapted and tokens > self._adapted_tokens:
                 self._reopen_adaptation()
             self._step_tokens = max(self._step_tokens, tokens)
-
-    def _abandon_graph(self) -> None:
-        """Forget a forward that no backward will follow: its parts will not report back."""
-        if any(self._pending):
-            self._pending = [0] * len(self.storages)
-            self._written.clear()
-            self._receiving.clear()
-            self._release_held()  # complete gradients, as the units the abandoned backward did dispatch
 
     def clip_next(self, max_norm: float) -> None:
         """Clip the next step's gradients to this global norm (manual optimization's `clip_gradients`, which
@@ -580,9 +310,9 @@ class SlideEngine:
         self.failure.check()
         self._check_trainable()
         clip, self._clip_once = self._clip_once or self.clip_norm, None
-        self._plan = snapshot(self.optimizer, self._step + 1, clip)
+        self.grads.book.plan = snapshot(self.optimizer, self._step + 1, clip)
         if not self.deferred and not self._reads_planned:  # the order this step's backward hands units over
-            self.moments.plan(self._update_order)
+            self.moments.plan(self.grads.update_order)
             self._reads_planned = True
 
     def _check_trainable(self) -> None:
@@ -602,20 +332,21 @@ class SlideEngine:
         accumulated. A window whose gradients reached no parameter (skipped, or a loss that does not depend on
         the model) updates nothing: AdamW leaves parameters without a gradient, and their step counts, as they are.
         """
-        plan, self._plan = self._plan, None
+        book = self.grads.book
+        plan, book.plan = book.plan, None
         if not backward_ran:
-            self._abandon_graph()
-        if any(self._pending):
-            missing = [self.storages[u].name for u, n in enumerate(self._pending) if n]
+            self.grads.abandon()
+        if book.in_backward:
+            missing = [self.storages[u].name for u, n in enumerate(book.pending) if n]
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
-        if not self._window_units:
+        if not book.stepped:
             return
-        measured, self._norms_measured = self._norms_measured, False
-        units, self._window_units, self._reads_planned = sorted(self._window_units), set(), False
+        units, measured = book.end_step()
+        self._reads_planned = False
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan, units, norm_of_sums=not measured)
-        self._holding.clear()  # eager accumulation: the updates read the sums themselves
+        book.holding.clear()  # eager accumulation: the updates read the sums themselves
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
@@ -668,18 +399,13 @@ class SlideEngine:
         sums here instead.
         """
         self.wait_drain_s += self._drain()
-        if plan.clip_norm is not None:
-            plan.sq_norm += self.pump.sq_norm_on_device(plan)
-            if norm_of_sums:
-                for u in units:
-                    plan.add_sq_norm(self._holding[u])
-            coef = plan.clip_norm / (math.sqrt(plan.sq_norm) + 1e-6)
-            if coef < 1.0:
-                plan.grad_scale = torch.tensor(1.0 / coef)
+        holding = self.grads.book.holding
+        if plan.norm is not None:
+            plan.norm.finish(self.d2h, [holding[u] for u in units] if norm_of_sums else [])
         self.moments.plan(units)
         for u in units:
             self.adam.schedule(u)
-            self.adam.put(DeferredUpdate(u, plan, self._holding.pop(u)))
+            self.adam.put(DeferredUpdate(u, plan, holding.pop(u)))
 
     def _drain(self) -> float:
         waited = self.failure.wait(self.pump.worker.idle, "the gradient copies") if self.pump else 0.0
@@ -688,7 +414,7 @@ class SlideEngine:
     def synchronize(self) -> None:
         """Wait for every queued copy and update (before reading weights or optimizer state)."""
         self.wait_drain_s += self._drain()
-        self._lent.clear()  # every update has read its gradient
+        self.grads.book.lent.clear()  # every update has read its gradient
         for step in self._step_tensors:
             step.fill_(float(self._step))
 

@@ -8,7 +8,6 @@ steps the LR scheduler while this thread may still be updating that step's units
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import torch
 from torch.optim import Adam, AdamW, Optimizer
 
 from lightning_slide.moments import Moments
+from lightning_slide.norm import GlobalNorm
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
@@ -46,25 +46,16 @@ class StepPlan:
 
     step: int
     groups: list[GroupHyper]
-    clip_norm: float | None = None
+    norm: GlobalNorm | None = None  # the step's global norm, when it clips
     step_tensor: torch.Tensor = field(init=False)
-    grad_scale: torch.Tensor | None = None  # 1 / clip coefficient, once the global norm is known
-    sq_norm: float = 0.0
-    device_sq_norm: torch.Tensor | None = None  # the part measured where the gradients were (copy thread only)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.step_tensor = torch.tensor(float(self.step))
 
-    def add_sq_norm(self, grad: torch.Tensor) -> None:
-        value = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
-        with self._lock:
-            self.sq_norm += value
-
-    def add_sq_norm_on_device(self, grad: torch.Tensor) -> None:
-        """The same, left on the gradient's device: one reduction kernel instead of a pass over host memory."""
-        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        self.device_sq_norm = sq if self.device_sq_norm is None else self.device_sq_norm.add_(sq)
+    @property
+    def grad_scale(self) -> torch.Tensor | None:
+        """What AdamW divides the gradients by: 1 / clip coefficient, once the global norm is known."""
+        return self.norm.grad_scale if self.norm is not None else None
 
 
 def snapshot(optimizer: Optimizer, step: int, clip_norm: float | None) -> StepPlan:
@@ -81,7 +72,7 @@ def snapshot(optimizer: Optimizer, step: int, clip_norm: float | None) -> StepPl
         )
         for g in optimizer.param_groups
     ]
-    return StepPlan(step, groups, clip_norm)
+    return StepPlan(step, groups, GlobalNorm(clip_norm) if clip_norm is not None else None)
 
 
 def validate_optimizer(optimizer: Optimizer) -> None:
@@ -176,6 +167,15 @@ class LayerAdam:
         self._wide: torch.Tensor | None = None  # fp32 pieces of gradients held in the compute dtype
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
+    @staticmethod
+    def widen_elems(largest_trainable: int) -> int:
+        """The fp32 piece a gradient held in the compute dtype is widened in (`_widened_adam`)."""
+        return min(WIDEN_ELEMS, largest_trainable)
+
+    @classmethod
+    def widen_bytes(cls, largest_trainable: int) -> int:
+        return 4 * cls.widen_elems(largest_trainable)
+
     def schedule(self, unit: int) -> None:
         self.scheduled[unit] += 1
 
@@ -231,7 +231,7 @@ class LayerAdam:
                       state: list[torch.Tensor]) -> None:
         """AdamW over a low-precision gradient, widened to fp32 one piece at a time into one reused buffer."""
         if self._wide is None:
-            self._wide = torch.empty(min(WIDEN_ELEMS, max(s.trainable_numel for s in self.storages)))
+            self._wide = torch.empty(self.widen_elems(max(s.trainable_numel for s in self.storages)))
         for a in range(0, grad.numel(), WIDEN_ELEMS):
             b = min(a + WIDEN_ELEMS, grad.numel())
             wide = self._wide[: b - a].copy_(grad[a:b])
@@ -244,8 +244,8 @@ class LayerAdam:
         if item.first:
             return acc.copy_(item.grad)
         acc.add_(item.grad)
-        if item.plan is not None and item.plan.clip_norm is not None:
-            item.plan.add_sq_norm(acc)
+        if item.plan is not None and item.plan.norm is not None:
+            item.plan.norm.add(acc)
         return acc
 
     def _finish(self, unit: int) -> None:

@@ -38,11 +38,16 @@ def disk_units(trainable: Sequence[int], fraction: float) -> list[int]:
     return chosen
 
 
+def unit_file_bytes(master: int, trainable: int) -> int:
+    """A unit's disk-tier file: `master` fp32 master elements (0 when it stays in RAM), then the moments."""
+    return 4 * master + 8 * trainable
+
+
 def unit_file(directory: TierDirectory, index: int, name: str, master: int, trainable: int) -> DiskFile:
-    """The disk-tier file of one unit: `master` fp32 master elements (0 when it stays in RAM), then the moments."""
+    """The disk-tier file of one unit (`unit_file_bytes`, aligned by the tier)."""
     label = "state" if master else "moments"
     return directory.create(f"{label}-{index:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.bin",
-                            4 * master + 8 * trainable)
+                            unit_file_bytes(master, trainable))
 
 
 class Moments:
@@ -52,8 +57,9 @@ class Moments:
 
     def __init__(self, storages: list[UnitStorage], files: dict[int, DiskFile], chunk: int, failure: Failure) -> None:
         self.storages, self.chunk, self.on_disk = storages, chunk, set(files)
-        width = 12 if any(storages[u].on_disk for u in files) else 8
-        self.spill = Spill("Adam state", READ_AHEAD, width * chunk, False, failure) if files else None
+        with_master = any(storages[u].on_disk for u in files)
+        buffer = self.buffer_bytes(with_master, chunk)
+        self.spill = Spill("Adam state", READ_AHEAD, buffer, False, failure) if files else None
         for s in storages:
             if s.index in files:
                 self._map(s, files[s.index])
@@ -68,6 +74,15 @@ class Moments:
         for start, n in self.spans(s.index):  # ... and in a chunk's buffer: one chunk apart
             self.spill.regions[(s.index, start)] = tuple(
                 Region(file, 4 * (base + start), 4 * n, 4 * self.chunk * i) for i, base in enumerate(bases))
+
+    @staticmethod
+    def buffer_bytes(with_master: bool, chunk: int) -> int:
+        """One read-ahead buffer: a chunk's moments (8 B/element), and its fp32 master with nvme_master."""
+        return (12 if with_master else 8) * chunk
+
+    @classmethod
+    def read_ahead_bytes(cls, with_master: bool, chunk: int) -> int:
+        return READ_AHEAD * cls.buffer_bytes(with_master, chunk)
 
     def spans(self, unit: int) -> list[tuple[int, int]]:
         """(start, length) of each update of `unit`: chunks on disk, the whole trainable range in RAM."""

@@ -1,7 +1,8 @@
 """The planner: what the sliding runtime will allocate, where, and whether it fits, before anything is allocated.
 
-It mirrors the engine's allocations one by one (storage.py, window.py, transfer.py, activations.py), so a run
-that cannot fit is refused at setup with the numbers and the setting to change, instead of dying of an OOM
+It sums the engine's allocations, each sized where it is allocated (`bytes_for` and its kin in storage.py,
+moments.py, window.py, transfer.py, layer_adam.py, activations.py, gradients.py), so a run that cannot fit is
+refused at setup with the numbers and the setting to change, instead of dying of an OOM
 halfway through the first step. Two parts: the static plan (weights, optimizer state, slots, buffers) is
 known from the model and the settings alone; the batch plan (saved inputs, compute workspace) needs the
 micro-batch and sequence length, which only the first batch tells.
@@ -15,14 +16,18 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_slide.activations import DISK_BUFFERS
+from lightning_slide.activations import DISK_BUFFERS, ActivationStore
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram, host_headroom, process_rss
 from lightning_slide.config import SlideConfig
-from lightning_slide.layer_adam import WIDEN_ELEMS
-from lightning_slide.moments import READ_AHEAD, disk_units
+from lightning_slide.gradients import GradRouter
+from lightning_slide.layer_adam import LayerAdam
+from lightning_slide.moments import READ_AHEAD, Moments, disk_units, unit_file_bytes
 from lightning_slide.step_mode import StepMode
+from lightning_slide.storage import UnitStorage
 from lightning_slide.tiers import align, direct_io
+from lightning_slide.transfer import GradPump, LandingRing, gradient_chunk
+from lightning_slide.window import GradBuffer, Slot, Window
 
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
@@ -256,31 +261,40 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     more_disk = ("a larger nvme_moments" if setup.config.offload == "nvme"
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     entries = [
-        Entry("fp32 master weights", setup.pinned, 4 * (n - master_on_disk),
+        Entry("fp32 master weights", setup.pinned, UnitStorage.bytes_for("master", n - master_on_disk),
               "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
-        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", 8 * (t - moments_on_disk), more_disk),
+        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", UnitStorage.bytes_for("moments", t - moments_on_disk), more_disk),
     ]
     if on_disk:
-        width = 12 if master_on_disk else 8
-        chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
-        what = "fp32 master + Adam moments" if master_on_disk else "Adam exp_avg + exp_avg_sq"
-        entries += [Entry(f"{what} on disk", "disk", sum(align(4 * u.numel * bool(master_on_disk) + 8 * u.trainable)
-                                                         for u in on_disk), "a smaller nvme_moments"),
-                    Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram", READ_AHEAD * width * chunk,
-                          "a smaller chunk_elems")]
+        entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
     if setup.training and setup.mode.sums:
-        entries.append(Entry("fp32 gradient sums", setup.pinned, 4 * t,
+        entries.append(Entry("fp32 gradient sums", setup.pinned, UnitStorage.bytes_for("sums", t),
                              "accumulate_grad_batches=1 and automatic optimization"))
     if setup.training and setup.export_bytes:
         entries.append(Entry("Hugging Face export at the end (one shard being written)", "ram", setup.export_bytes,
                              "a smaller export.max_shard_size"))
     if setup.training and setup.amsgrad:
-        entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", 4 * t, "amsgrad=False"))
+        entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", UnitStorage.bytes_for("amsgrad", t), "amsgrad=False"))
     shadowed = n if setup.config.h2d_source == "shadow" and setup.low_precision else master_on_disk
     if shadowed:
         entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
-                             setup.compute_bytes * shadowed, "h2d_source='master'" if shadowed == n else ""))
+                             UnitStorage.bytes_for("shadow", shadowed, setup.dtype),
+                             "h2d_source='master'" if shadowed == n else ""))
     return entries
+
+
+def _disk_state(shape: ModelShape, setup: Setup, on_disk: list[UnitSize], with_master: bool) -> list[Entry]:
+    """moments.py: the disk units' files (moments, and the master with nvme_master) and the read-ahead buffers."""
+    what = "fp32 master + Adam moments" if with_master else "Adam exp_avg + exp_avg_sq"
+    files = sum(align(unit_file_bytes(u.numel if with_master else 0, u.trainable)) for u in on_disk)
+    chunk = _gradient_chunk(shape, setup)
+    return [Entry(f"{what} on disk", "disk", files, "a smaller nvme_moments"),
+            Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram",
+                  Moments.read_ahead_bytes(with_master, chunk), "a smaller chunk_elems")]
+
+
+def _gradient_chunk(shape: ModelShape, setup: Setup) -> int:
+    return gradient_chunk(setup.config.chunk_elems, [u.trainable for u in shape.units])
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:
@@ -306,21 +320,23 @@ def fit_moments(shape: ModelShape, setup: Setup, resources: Resources, reserved:
 
 def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
     """window.py: a dedicated slot per vocabulary-sized unit, a ring of block-sized slots, fp32 staging."""
-    per_elem = setup.compute_bytes * (2 if setup.training else 1)  # weights, plus gradients when training
-    slots = [Entry(f"{u.name} slot (weights{' + grads' if setup.training else ''})", setup.on_device,
-                   u.numel * per_elem) for u in shape.units if u.dedicated]
+    dtype, grads = setup.dtype, setup.training  # weights, plus a GPU gradient buffer each when training
+    slots = [Entry(f"{u.name} slot (weights{' + grads' if grads else ''})", setup.on_device,
+                   Slot.bytes_for(u.numel, dtype) + (GradBuffer.bytes_for(u.numel, dtype) if grads else 0))
+             for u in shape.units if u.dedicated]
     block = max((u.numel for u in shape.units if not u.dedicated), default=0)
     ring = setup.config.initial_slots
     grows = " (slots='auto': grows into spare VRAM after step 1)" if setup.config.slots == "auto" else ""
-    slots.append(Entry(f"ring: {ring} block weight slots{grows}", setup.on_device, ring * block * setup.compute_bytes,
+    slots.append(Entry(f"ring: {ring} block weight slots{grows}", setup.on_device, ring * Slot.bytes_for(block, dtype),
                        f"slots={ring - 1}" if ring > 2 else ""))
     if setup.training:
         count = setup.config.block_grad_buffers
-        slots.append(Entry(f"{count} block gradient buffers", setup.on_device, count * block * setup.compute_bytes,
+        slots.append(Entry(f"{count} block gradient buffers", setup.on_device,
+                           count * GradBuffer.bytes_for(block, dtype),
                            "block_grad_buffers=2" if count > 2 else ""))
     if setup.cuda and setup.low_precision and setup.config.h2d_source == "master":
-        staging = min(setup.config.chunk_elems, max(u.numel for u in shape.units))
-        slots.append(Entry("fp32 load staging", "gpu", 4 * staging, "a smaller chunk_elems"))
+        staging = Window.staging_bytes(setup.config.chunk_elems, max(u.numel for u in shape.units))
+        slots.append(Entry("fp32 load staging", "gpu", staging, "a smaller chunk_elems"))
     return slots
 
 
@@ -328,11 +344,12 @@ def _transfer(shape: ModelShape, setup: Setup) -> list[Entry]:
     """transfer.py: the gradient landing ring (pinned on CUDA) and the device-side fp32 widening buffer."""
     if not setup.training:
         return []
-    chunk = min(setup.config.chunk_elems, max(u.trainable for u in shape.units))
-    entries = [Entry(f"gradient landing ring ({setup.config.grad_buffers} x fp32 chunk)", setup.pinned,
-                     setup.config.grad_buffers * chunk * 4, "fewer grad_buffers or a smaller chunk_elems")]
+    chunk, count = _gradient_chunk(shape, setup), setup.config.grad_buffers
+    entries = [Entry(f"gradient landing ring ({count} x fp32 chunk)", setup.pinned,
+                     LandingRing.bytes_for(count, chunk), "fewer grad_buffers or a smaller chunk_elems")]
     if setup.cuda and setup.low_precision:
-        entries.append(Entry("fp32 gradient widening buffer", "gpu", chunk * 4, "a smaller chunk_elems"))
+        entries.append(Entry("fp32 gradient widening buffer", "gpu", GradPump.widen_bytes(chunk),
+                             "a smaller chunk_elems"))
     return entries
 
 
@@ -345,9 +362,9 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
                 Entry("hidden states in flight", setup.on_device, 2 * hidden, "a smaller micro_batch")]
     in_flight = Entry("hidden states in flight + prefetched inputs", setup.on_device, 4 * hidden, "a smaller micro_batch")
     if where == "nvme":
-        return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk", shape.saves * align(hidden),
-                      "a smaller micro_batch or seq_len"),
-                _disk_staging(setup, DISK_BUFFERS * align(hidden)), in_flight]
+        return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk",
+                      ActivationStore.disk_bytes_for(shape.saves, hidden), "a smaller micro_batch or seq_len"),
+                _disk_staging(setup, ActivationStore.staging_bytes(hidden)), in_flight]
     return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
                   "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
 
@@ -358,15 +375,15 @@ def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) ->
     embedding saves hidden states), else in a buffer of its own."""
     if not (setup.training and setup.mode.holds_grads) or setup.mode.sums:
         return []
-    c = setup.compute_bytes
-    lendable = tokens * shape.hidden * c if where == "cpu" else 0
-    own = sum(u.trainable * c for i, u in enumerate(shape.units) if i == 0 or u.trainable * c > lendable)
+    lendable = tokens * shape.hidden * setup.compute_bytes if where == "cpu" else 0
+    homes = [GradRouter.home_bytes(u.trainable, setup.dtype) for u in shape.units]
+    own = sum(home for i, home in enumerate(homes) if i == 0 or home > lendable)
     dtype = str(setup.dtype).removeprefix("torch.")
     entries = [Entry(f"held gradients ({dtype}, for the step's norm; the rest in saved-input buffers)",
                      setup.pinned, own, "gradient_clip_val=None (no clipping)")]
     if setup.low_precision:
         entries.append(Entry("fp32 widening piece of held gradients", "ram",
-                             4 * min(WIDEN_ELEMS, max(u.trainable for u in shape.units))))
+                             LayerAdam.widen_bytes(max(u.trainable for u in shape.units))))
     return entries
 
 

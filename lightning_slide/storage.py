@@ -76,6 +76,18 @@ class UnitStorage:
         self.grad_acc: torch.Tensor | None = None
         self.acc_pinned = False
 
+    # Bytes per element of each host buffer a unit may have (the shadow is in the compute dtype).
+    ELEMENT_BYTES = {"master": 4, "moments": 8, "amsgrad": 4, "sums": 4}
+
+    @classmethod
+    def bytes_for(cls, buffer: str, elements: int, dtype: torch.dtype | None = None) -> int:
+        """Host bytes of `buffer` over `elements`: "master" (fp32, all owned parameters), "moments" (exp_avg and
+        exp_avg_sq, fp32, the trainable prefix), "amsgrad" (max_exp_avg_sq), "sums" (fp32 gradient sums of an
+        accumulation window), or "shadow" (the compute-dtype copy loads read, `dtype`)."""
+        if buffer == "shadow":
+            return elements * torch.empty(0, dtype=dtype).element_size()
+        return elements * cls.ELEMENT_BYTES[buffer]
+
     def _adopt(self, params: list[nn.Parameter], master: torch.Tensor) -> torch.Tensor:
         """Copy parameters into one buffer and repoint them at it; frees each original as it goes.
 

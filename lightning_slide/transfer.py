@@ -15,12 +15,22 @@ from functools import partial
 import torch
 
 from lightning_slide.layer_adam import GradChunk, LayerAdam, StepPlan
-from lightning_slide.streams import Lane, host_wait
+from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure, Worker
 
 
+def gradient_chunk(chunk_elems: int, trainable: list[int]) -> int:
+    """Elements per gradient chunk: `chunk_elems`, or the largest unit's trainable size where that is less."""
+    return min(chunk_elems, max(trainable))
+
+
 class LandingRing:
-    """`count` pinned fp32 buffers of `elems` each, handed out in order and returned by the optimizer."""
+    """`count` pinned fp32 host buffers of `elems` each (where gradients land from the GPU gradient buffers),
+    handed out in order and returned by the optimizer."""
+
+    @staticmethod
+    def bytes_for(count: int, elems: int) -> int:
+        return count * elems * 4
 
     def __init__(self, count: int, elems: int, pin: bool, failure: Failure) -> None:
         self.buffers = [torch.empty(elems, pin_memory=pin) for _ in range(count)]
@@ -76,6 +86,11 @@ class GradPump:
         self.bytes = 0
         self.worker: Worker[Dispatch] = Worker("grad-copy", self._handle, failure)
 
+    @staticmethod
+    def widen_bytes(chunk: int) -> int:
+        """The device buffer a low-precision chunk is widened to fp32 in on its way out."""
+        return chunk * 4
+
     def put(self, item: Dispatch) -> None:
         self.worker.put(item)
 
@@ -86,8 +101,8 @@ class GradPump:
         n, step = item.grads.numel(), self.ring.elems
         with self.d2h():
             self.d2h.wait(item.ready)
-            if item.first and item.plan is not None and item.plan.clip_norm is not None:
-                item.plan.add_sq_norm_on_device(item.grads)
+            if item.first and item.plan is not None and item.plan.norm is not None:
+                item.plan.norm.add_on_device(item.grads)
             for start in range(0, n, step):
                 end = min(start + step, n)
                 if item.sums is None:
@@ -105,16 +120,6 @@ class GradPump:
                                         item.update, last=end == n, first=item.first, landed=item.sums is not None))
             item.done(self.d2h.record())
         self.bytes += n * (item.sums.element_size() if item.sums is not None else 4)
-
-    def sq_norm_on_device(self, plan: StepPlan) -> float:
-        """What this thread measured of `plan`'s squared norm on the device; call once the thread is idle."""
-        if plan.device_sq_norm is None:
-            return 0.0
-        with self.d2h():
-            value = plan.device_sq_norm.to("cpu", non_blocking=True)
-            event = self.d2h.record()
-        host_wait(event)
-        return float(value)
 
 
 def _keep() -> None:

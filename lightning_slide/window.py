@@ -22,7 +22,15 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 
+def _bytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
 class Slot:
+    """A unit's weights on the device, in the compute dtype."""
+
+    bytes_for = staticmethod(_bytes)
+
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.params = torch.empty(capacity, dtype=dtype, device=device)
         self.unit: int | None = None
@@ -32,6 +40,10 @@ class Slot:
 
 
 class GradBuffer:
+    """A unit's weight gradient on the device (compute dtype), from its backward until it has left for the host."""
+
+    bytes_for = staticmethod(_bytes)
+
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.grads = torch.empty(capacity, dtype=dtype, device=device)
         self.free = None  # d2h event: the last gradient has left
@@ -63,21 +75,33 @@ class Window:
         self.blocks = sum(not d for d in dedicated)
         self.ring = [Slot(self.capacity, dtype, device) for _ in range(slots)]
         self.lookahead = slots - 1  # units loaded ahead of the pass (a grown ring keeps the same distance)
-        self.grad_buffers = {i: GradBuffer(storages[i].numel, dtype, device) for i in self.dedicated} if with_grads else {}
-        self.grad_ring = [GradBuffer(self.capacity, dtype, device) for _ in range(grad_slots)] if with_grads else []
+        # GPU gradient buffers (the host's landing buffers are `transfer.LandingRing`): one per dedicated unit,
+        # and a ring that every block's gradient passes through
+        self.dedicated_grads = {i: GradBuffer(storages[i].numel, dtype, device)
+                                for i in self.dedicated} if with_grads else {}
+        self.block_grads = [GradBuffer(self.capacity, dtype, device) for _ in range(grad_slots)] if with_grads else []
         self._next_grads = 0
         needs_cast = device.type == "cuda" and dtype != torch.float32 and any(s.shadow is None for s in storages)
         largest = max(s.numel for s in storages)
-        self.staging = torch.empty(min(staging_elems, largest), device=device) if needs_cast else None
+        self.staging = torch.empty(self.staging_elems(staging_elems, largest), device=device) if needs_cast else None
         self.bytes = 0
         self.waits = [0.0] * len(storages)  # seconds loads of each unit waited for its update
 
+    @staticmethod
+    def staging_elems(staging_elems: int, largest: int) -> int:
+        """The fp32 load staging buffer (cast to the compute dtype on the device): no larger than the largest unit."""
+        return min(staging_elems, largest)
+
+    @staticmethod
+    def staging_bytes(staging_elems: int, largest: int) -> int:
+        return 4 * Window.staging_elems(staging_elems, largest)
+
     def grads_for(self, unit: int) -> GradBuffer:
         """The buffer `unit`'s gradient is written into (blocks take the ring's buffers in backward order)."""
-        if unit in self.grad_buffers:
-            return self.grad_buffers[unit]
-        buffer = self.grad_ring[self._next_grads]
-        self._next_grads = (self._next_grads + 1) % len(self.grad_ring)
+        if unit in self.dedicated_grads:
+            return self.dedicated_grads[unit]
+        buffer = self.block_grads[self._next_grads]
+        self._next_grads = (self._next_grads + 1) % len(self.block_grads)
         return buffer
 
     @property

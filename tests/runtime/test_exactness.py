@@ -34,9 +34,9 @@ def test_fp32_matches_adamw_with_clipping_and_one_backward_per_step(settings):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_clipping_and_accumulation_match_adamw_when_the_sums_could_not_be_pinned(accumulate, monkeypatch):
     """Then a window's first gradient goes through the landing buffers and the optimizer thread copies it in."""
-    from lightning_slide.engine import SlideEngine
+    from lightning_slide.gradients import GradRouter
 
-    monkeypatch.setattr(SlideEngine, "_lands_directly", lambda self, pinned: False)
+    monkeypatch.setattr(GradRouter, "_lands_directly", lambda self, pinned: False)
     model, batches = tiny_model("llama"), token_batches(STEPS * accumulate)
     expected = reference(model, batches, STEPS, accumulate=accumulate, clip=0.05)
     got = fit(model, batches, "slideformer", STEPS, accumulate=accumulate, clip=0.05)

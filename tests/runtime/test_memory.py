@@ -5,13 +5,13 @@ import gc
 import torch
 
 from lightning_slide import SlideConfig, SlideEngine
-from lightning_slide.engine import _Call
+from lightning_slide.parts import Call
 from tests.runtime.helpers import param_groups, tiny_model, token_batches
 
 
 def _live_calls() -> int:
     gc.collect()
-    return sum(isinstance(o, _Call) for o in gc.get_objects())
+    return sum(isinstance(o, Call) for o in gc.get_objects())
 
 
 def test_nothing_from_a_step_outlives_it():
@@ -100,7 +100,7 @@ def test_a_lookahead_load_skips_a_unit_whose_update_is_still_pending():
                          torch.float32)
     engine.adam.schedule(2)  # an update of unit 2 launched, not applied yet
     embedding = next(p for p in engine.parts if p.unit == 0)
-    left = threading.Thread(target=engine._leave, args=(embedding, {}, +1), daemon=True)
+    left = threading.Thread(target=engine.leave, args=(embedding, {}, +1), daemon=True)
     left.start()
     left.join(timeout=5)
     pending = left.is_alive()

@@ -34,7 +34,7 @@ def _engine_bytes(engine: SlideEngine) -> int:
              for t in (s.master, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.shadow, s.grad_acc)]
     window = engine.window
     slots = [s.params for s in [*window.ring, *window.dedicated.values()]] + [
-        b.grads for b in [*window.grad_ring, *window.grad_buffers.values()]]
+        b.grads for b in [*window.block_grads, *window.dedicated_grads.values()]]
     landing = engine.pump.ring.buffers if engine.pump else []
     return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing] if t is not None)
 
