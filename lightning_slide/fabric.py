@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 from typing import Any, Callable, Generator
 
@@ -72,8 +72,13 @@ class SlideFabricPrecision(Precision):
 class SlideFabricStrategy(SingleDeviceStrategy):
     """Full-parameter training of a causal LM larger than the GPU under Fabric: layers slide through a GPU window.
 
-    Keyword settings are the fields of :class:`lightning_slide.config.SlideConfig` (``offload``, ``slots``,
-    ``activations``, ...). Set up the model and exactly one torch Adam/AdamW together
+    Settings are those of :class:`lightning_slide.config.SlideConfig`, as a ``SlideConfig``, as keywords, or both
+    (keywords win), as for the Trainer's ``SlideStrategy``::
+
+        Fabric(strategy="slideformer", precision="bf16-mixed")
+        Fabric(strategy=SlideFabricStrategy(SlideConfig(recompute="always"), offload="nvme", nvme_path="/mnt/nvme"))
+
+    Set up the model and exactly one torch Adam/AdamW together
     (``fabric.setup(model, optimizer)``); a model set up alone is evaluated only.
     """
 
@@ -81,13 +86,23 @@ class SlideFabricStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
+        config: SlideConfig | None = None,
+        *,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision: Precision | None = None,
         **settings: Any,
     ) -> None:
-        self.config = SlideConfig.from_kwargs(**settings)
+        """
+        Args:
+            config: the runtime's settings; None: SlideConfig's defaults.
+            device: the compute device; None: Fabric's ``accelerator`` and ``devices`` decide.
+            accelerator, precision: as for Fabric's ``SingleDeviceStrategy``.
+            checkpoint_io: how `fabric.save` writes; default: atomically (a temporary file, then renamed).
+            **settings: SlideConfig fields that replace those of ``config`` (``offload="nvme"``, ``slots=4``).
+        """
+        self.config = SlideConfig.from_kwargs(**{**asdict(config or SlideConfig()), **settings})
         if self.config.offload == "none":
             raise ValueError("offload='none' is plain single-device training: use Fabric's own strategy "
                              "(Fabric(strategy='auto')) instead of slideformer.")

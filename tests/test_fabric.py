@@ -11,6 +11,7 @@ import torch
 from lightning.fabric import Fabric
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lightning_slide.config import SlideConfig
 from lightning_slide.fabric import SlideFabricStrategy
 from tests.runtime.helpers import param_groups, relative_difference, tiny_model, token_batches, warmup_decay
 
@@ -271,6 +272,11 @@ def test_setting_up_the_optimizer_apart_from_the_model_is_refused():
         fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
 
 
-def test_the_strategy_takes_the_engine_settings():
-    strategy = SlideFabricStrategy(slots=2, activations="cpu")
-    assert (strategy.config.slots, strategy.config.activations) == (2, "cpu")
+def test_the_strategy_takes_a_config_and_keyword_settings_that_win():
+    strategy = SlideFabricStrategy(SlideConfig(slots=2, activations="cpu"), activations="device")
+    assert (strategy.config.slots, strategy.config.activations) == (2, "device")
+
+
+def test_an_unknown_setting_is_refused():
+    with pytest.raises((TypeError, ValueError), match="slotz"):
+        SlideFabricStrategy(slotz=2)
