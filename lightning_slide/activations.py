@@ -21,6 +21,7 @@ from lightning_slide.threads import Failure
 from lightning_slide.tiers import Region, Spill, TierDirectory, align
 
 DISK_BUFFERS = 4  # pinned staging buffers of the disk path: in flight to or from the disk at once
+OFFLOAD_SHARE = 0.5  # the share of the free GPU memory saved inputs may take before "auto" offloads them
 
 
 class _HostBuffer:
@@ -89,6 +90,22 @@ class ActivationStore:
         self._reading = False
         self._disk_read = self._disk_written = 0
         self.bytes_out = self.bytes_in = 0
+
+    @staticmethod
+    def input_bytes(tokens: int, hidden: int, dtype: torch.dtype) -> int:
+        """One saved input: a micro-batch's hidden states."""
+        return tokens * hidden * torch.empty(0, dtype=dtype).element_size()
+
+    @staticmethod
+    def offloads(needed: int, gpu_free: int) -> bool:
+        """The "auto" rule: saved inputs leave the GPU when all of them take over OFFLOAD_SHARE of its free memory."""
+        return needed > OFFLOAD_SHARE * gpu_free
+
+    @staticmethod
+    def in_flight_bytes(input_bytes: int, offloaded: bool) -> int:
+        """Hidden states on the device besides the saved ones: a part's input and output; with the inputs
+        offloaded, also the input being prefetched and the one being copied out."""
+        return (4 if offloaded else 2) * input_bytes
 
     @staticmethod
     def region_bytes(input_bytes: int) -> int:
@@ -195,7 +212,7 @@ class ActivationStore:
         if self.device.type != "cuda":
             return "device"
         needed = self.saves * value.numel() * value.element_size()
-        return offload if needed > 0.5 * available_vram(self.device) else "device"
+        return offload if self.offloads(needed, available_vram(self.device)) else "device"
 
     def _buffer(self, key: Hashable, like: torch.Tensor) -> _HostBuffer:
         buf = self._pool.get(key)

@@ -21,6 +21,7 @@ from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram, host_headroom, process_rss
 from lightning_slide.config import SlideConfig
 from lightning_slide.gradients import GradRouter
+from lightning_slide.graphs import block_graph_per_token, head_workspace
 from lightning_slide.layer_adam import LayerAdam
 from lightning_slide.moments import READ_AHEAD, Moments, disk_units, unit_file_bytes
 from lightning_slide.step_mode import StepMode
@@ -32,7 +33,6 @@ from lightning_slide.window import GradBuffer, Slot, Window
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
 GiB = 2**30
-KERNEL_BLOCK_FACTOR = 0.75  # a block's recompute workspace with the Triton kernels, relative to HF's modules
 
 
 class PlanError(MemoryError):
@@ -190,7 +190,7 @@ class Plan:
         `gpu_free` is what the GPU had before this plan; it decides `activations="auto"` as the engine will.
         """
         tokens = micro_batch * seq_len
-        acts = shape.saves * tokens * shape.hidden * setup.compute_bytes
+        acts = shape.saves * ActivationStore.input_bytes(tokens, shape.hidden, setup.dtype)
         where = _saved_inputs_go(setup, acts, None if gpu_free is None else gpu_free - self.total("gpu"))
         batch = (*_activations(shape, setup, tokens, acts, where), *_held_gradients(shape, setup, tokens, where),
                  _workspace(shape, setup, tokens), _kept_graphs(shape, setup, tokens))
@@ -248,7 +248,7 @@ def _saved_inputs_go(setup: Setup, acts: int, gpu_left: int | None) -> str:
     """The engine's `activations="auto"` rule: offload when the inputs take over half of the free GPU."""
     if setup.config.activations != "auto":
         return setup.config.activations
-    offload = setup.cuda and gpu_left is not None and acts > 0.5 * gpu_left
+    offload = setup.cuda and gpu_left is not None and ActivationStore.offloads(acts, gpu_left)
     return ("nvme" if setup.config.offload == "nvme" else "cpu") if offload else "device"
 
 
@@ -275,7 +275,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
                              "a smaller export.max_shard_size"))
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", UnitStorage.bytes_for("amsgrad", t), "amsgrad=False"))
-    shadowed = n if setup.config.h2d_source == "shadow" and setup.low_precision else master_on_disk
+    shadowed = n if UnitStorage.needs_shadow(False, setup.config.h2d_source, setup.dtype) else master_on_disk
     if shadowed:
         entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
                              UnitStorage.bytes_for("shadow", shadowed, setup.dtype),
@@ -355,12 +355,14 @@ def _transfer(shape: ModelShape, setup: Setup) -> list[Entry]:
 
 def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where: str) -> list[Entry]:
     """activations.py: each part's input waits for its backward on the device, in pinned RAM, or on disk."""
-    hidden = tokens * shape.hidden * setup.compute_bytes
+    hidden = ActivationStore.input_bytes(tokens, shape.hidden, setup.dtype)
     if where == "device":
         remedy = "activations='cpu' or a smaller micro_batch" if setup.cuda else "a smaller micro_batch"
         return [Entry(f"saved part inputs ({shape.saves})", setup.on_device, acts, remedy),
-                Entry("hidden states in flight", setup.on_device, 2 * hidden, "a smaller micro_batch")]
-    in_flight = Entry("hidden states in flight + prefetched inputs", setup.on_device, 4 * hidden, "a smaller micro_batch")
+                Entry("hidden states in flight", setup.on_device, ActivationStore.in_flight_bytes(hidden, False),
+                      "a smaller micro_batch")]
+    in_flight = Entry("hidden states in flight + prefetched inputs", setup.on_device,
+                      ActivationStore.in_flight_bytes(hidden, True), "a smaller micro_batch")
     if where == "nvme":
         return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk",
                       ActivationStore.disk_bytes_for(shape.saves, hidden), "a smaller micro_batch or seq_len"),
@@ -370,12 +372,12 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
 
 
 def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) -> list[Entry]:
-    """engine.py `_gradient_home`: a deferred step without sums holds each unit's gradient in the compute dtype,
+    """gradients.py `GradRouter._gradient_home`: a deferred step without sums holds each unit's gradient in the compute dtype,
     in the pinned buffer of one of the unit's saved inputs where that is large enough (every unit but the
     embedding saves hidden states), else in a buffer of its own."""
     if not (setup.training and setup.mode.holds_grads) or setup.mode.sums:
         return []
-    lendable = tokens * shape.hidden * setup.compute_bytes if where == "cpu" else 0
+    lendable = ActivationStore.input_bytes(tokens, shape.hidden, setup.dtype) if where == "cpu" else 0
     homes = [GradRouter.home_bytes(u.trainable, setup.dtype) for u in shape.units]
     own = sum(home for i, home in enumerate(homes) if i == 0 or home > lendable)
     dtype = str(setup.dtype).removeprefix("torch.")
@@ -396,37 +398,22 @@ def _disk_staging(setup: Setup, nbytes: int) -> Entry:
 
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
-    """Transient memory of recomputing the costliest unit (a decoder block or the loss head) in its backward.
-
-    A Llama-style block's forward under autograd keeps, per token, its RMSNorm outputs and fp32
-    intermediates, q/k/v and their rotary copies, the SDPA output (flash/efficient kernels: no seq x seq
-    scores), the SwiGLU gate, up, activation and product, and its residuals; the coefficients below match
-    the peak measured for HF's LlamaDecoderLayer forward + backward on the CPU (fp32 and bf16, within 3%).
-    With the Triton kernels of `ops` (CUDA) a block keeps less: KERNEL_BLOCK_FACTOR of that, measured on the H200
-    (peak allocated of Llama-3.1-8B under a 24 GiB cap at 8 and 64 x 1024 tokens: 191 KB per token against the
-    formula's 254 KB; the same factor then predicts 3B at 8 x 1024 and 1B at 32 x 1024 within 2-4%, over).
-    The weight gradients exist once more before the engine copies them into the slot. The head either runs
-    the fused loss (CUDA kernels: one logits chunk) or builds full logits (compute dtype, then fp32
-    log-softmax and gradient), and also produces a vocabulary-sized weight gradient.
-    """
-    c, h = setup.compute_bytes, shape.hidden
+    """Transient memory of recomputing the costliest unit (a decoder block or the loss head) in its backward:
+    a block's graph (`graphs.block_graph_per_token`) and its weight gradients, which exist once more before the
+    engine copies them into the slot, or the head's (`graphs.head_workspace`)."""
+    block = tokens * _block_graph_per_token(shape, setup) + Slot.bytes_for(
+        max((u.numel for u in shape.units if not u.dedicated), default=0), setup.dtype)
     kernels = setup.cuda and setup.config.use_kernels
-    block = tokens * _block_graph_per_token(shape, setup) + max(
-        (u.numel for u in shape.units if not u.dedicated), default=0) * c
-    weight_grad = shape.vocab * h * c
-    if kernels:
-        head = int(setup.config.loss_chunk_mib * 2**20) + weight_grad + 2 * tokens * h * c
-    else:
-        head = tokens * shape.vocab * (2 * c + 8) + weight_grad + 2 * tokens * h * c
+    head = head_workspace(tokens, shape.hidden, shape.vocab, setup.compute_bytes,
+                          int(setup.config.loss_chunk_mib * 2**20) if kernels else None)
     return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),
                  "a smaller micro_batch or seq_len")
 
 
 def _block_graph_per_token(shape: ModelShape, setup: Setup) -> int:
-    """Bytes per token a decoder block's forward keeps for its backward (see `_workspace`)."""
-    c, h, q, kv = setup.compute_bytes, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_token = (7 * h + 3 * q + 4 * kv + 4 * shape.intermediate) * c + 3 * h * 4
-    return int(per_token * KERNEL_BLOCK_FACTOR) if setup.cuda and setup.config.use_kernels else per_token
+    """Bytes per token a decoder block of this model keeps for its backward (`graphs.block_graph_per_token`)."""
+    return block_graph_per_token(shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
+                                 shape.intermediate, setup.compute_bytes, setup.cuda and setup.config.use_kernels)
 
 
 def _kept_graphs(shape: ModelShape, setup: Setup, tokens: int) -> Entry:

@@ -75,9 +75,9 @@ class GradPump:
     Low-precision gradients bound for the landing ring are widened to fp32 on the device, one chunk at a time,
     on their way out: the CPU optimizer reads fp32 without a conversion pass over host memory, and GPU slots
     stay half the size. A gradient that a deferred step holds as it came goes out in its own dtype.
-    Sending bf16 and widening on the CPU halves the PCIe bytes but was slower in all three runs that tried it
-    (8B at 8x1024 on the H200 machine: benchmarks/results/s4/b, s4/c and s6/d, the last with cache-sized
-    pieces): the CPU's conversion costs more host time than the halved reads save.
+    Sending bf16 and widening on the CPU halves the PCIe bytes but is slower (Llama-3.1-8B at 8x1024 on an
+    H200 host with 16 cores, for every widening piece size tried: docs/alternatives.md): the CPU's conversion
+    costs more host time than the halved reads save.
     """
 
     def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure, widen_on: torch.device | None) -> None:
