@@ -298,10 +298,11 @@ def test_train_py_writes_checkpoints_to_checkpoint_dirpath_with_last_a_link(tmp_
     from hydra import compose, initialize_config_dir
 
     root = Path(__file__).resolve().parents[2]
+    train = runpy.run_path(str(root / "train.py"))["train"]  # registers the config nodes train.yaml composes
     with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"checkpoint.dirpath={tmp_path / 'elsewhere'}", "trainer.max_steps=2",
                                           "trainer.val_check_interval=2", "+trainer.limit_val_batches=1"])
-    runpy.run_path(str(root / "train.py"))["train"](cfg, tmp_path / "run")
+    train(cfg, tmp_path / "run")
     assert _layout(tmp_path / "elsewhere") == {"epoch=0-step=2.ckpt": "step 2", "last.ckpt": "-> epoch=0-step=2.ckpt"}
     assert not (tmp_path / "run" / "checkpoints").exists()
 
