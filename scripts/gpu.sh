@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU-side commands, one per measurement (results: benchmarks/results/README.md).
-#   bash scripts/gpu_session.sh check   GPU tests (runtime + kernels)              -> results/gpu-tests/
-#   bash scripts/gpu_session.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, TOKENS=4096,16384,
+#   bash scripts/gpu.sh check   GPU tests (runtime + kernels)              -> results/gpu-tests/
+#   bash scripts/gpu.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, TOKENS=4096,16384,
 #                                       NO_COMPILE=1, OPS_TIMEOUT=s: what finished in time is still collected)
 #                                                                                   -> results/kernels/
-#   bash scripts/gpu_session.sh bench   a benchmark suite (CASES=, `targets` by default; BUDGET=s to skip
+#   bash scripts/gpu.sh bench   a benchmark suite (CASES=, `targets` by default; BUDGET=s to skip
 #                                       the cases that would not fit)              -> results/<suite>/
-#   bash scripts/gpu_session.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
+#   bash scripts/gpu.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #                                                                                   -> results/capacity/
-#   bash scripts/gpu_session.sh capacity-master  8B with half the units' master and moments on disk
-#   bash scripts/gpu_session.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
+#   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
+#   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
 # Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
 # installed into /tmp/site first.
