@@ -100,7 +100,8 @@ def main() -> None:
     model = build_model(args.model, meta=True)
     module = CausalLMModule(model, lr=1e-5, warmup_steps=0)
     vocab = model.config.vocab_size
-    tokens = torch.randint(0, vocab, (args.steps * args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab, (args.steps * args.micro_batch, args.seq_len),
+                           generator=torch.Generator().manual_seed(0))
     data = DataLoader([{"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t} for t in tokens],
                       batch_size=args.micro_batch)
     disk = dict(nvme_path=str(folder), nvme_moments=args.nvme_moments,
@@ -124,13 +125,15 @@ def main() -> None:
     record = {
         "command": " ".join([sys.executable, "-m", "benchmarks.capacity", *sys.argv[1:]]),
         "commit": args.commit, "date": time.strftime("%Y-%m-%d"), "ok": error is None, "error": error,
-        "machine": {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "cpu": platform.processor() or platform.machine(),
+        "machine": {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "cpu": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "ram_gib": psutil.virtual_memory().total / GiB,
                     "torch": torch.__version__, "disk_io": backend_name()},
         "model": args.model, "params": n, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         "tokens_per_step": args.micro_batch * args.seq_len, "vram_cap_gib": args.cap_gib,
         "settings": asdict(strategy.config), "wall_s": time.perf_counter() - started,
-        "step_s": clock.times, "tokens_per_s": args.micro_batch * args.seq_len / (sum(steady) / len(steady)) if steady else None,
+        "step_s": clock.times,
+        "tokens_per_s": args.micro_batch * args.seq_len / (sum(steady) / len(steady)) if steady else None,
         "measured": {"peak_rss_gib": peaks.rss / GiB, "peak_disk_gib": peaks.disk / GiB, **_vram(device)},
         "planned": None if plan is None else {
             "entries": [{"what": e.what, "where": e.where, "gib": e.bytes / GiB} for e in plan.entries],

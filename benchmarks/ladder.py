@@ -41,11 +41,11 @@ class LadderLog:
     retried: dict | None = None  # the failure a fresh process was started to retry
 
     @classmethod
-    def for_case(cls, case: Case, time_cap_s: float | None = None) -> "LadderLog":
+    def for_case(cls, case: Case, time_cap_s: float | None = None) -> LadderLog:
         return cls(case.grow, list(case.rungs), case.steps_per_rung, time_cap_s or case.time_cap_s)
 
     @classmethod
-    def from_result(cls, result: dict) -> "LadderLog | None":
+    def from_result(cls, result: dict) -> LadderLog | None:
         data = result.get("ladder")
         if not isinstance(data, dict):
             return None

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.build import fill_normal_, build_model, random_tokens
+from benchmarks.build import build_model, fill_normal_, random_tokens
 from benchmarks.cases import Case
 from benchmarks.models import MODELS
 from benchmarks.timing import WindowClock

@@ -9,6 +9,7 @@ A ladder writes FILE after every rung too, so what it passed survives a kill (be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import sys
@@ -64,10 +65,8 @@ def _device_facts(device: torch.device) -> dict:
 
 def _prefer_oom_kill() -> None:
     """Make this process, not the runner, the one the kernel kills when host memory runs out."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/oom_score_adj").write_text("1000")
-    except OSError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

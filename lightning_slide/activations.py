@@ -11,7 +11,7 @@ then the copies in and out of them stay on the GPU.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -36,7 +36,7 @@ class Saved:
     A host copy's buffer is free from the moment the input is back on the device (`host_tensor`) until the next
     forward saves into it: the engine may lend it to the unit's gradient in between."""
 
-    def __init__(self, store: "ActivationStore", value: torch.Tensor | None = None, host: _HostBuffer | None = None,
+    def __init__(self, store: ActivationStore, value: torch.Tensor | None = None, host: _HostBuffer | None = None,
                  written: object = None, disk: tuple[Hashable, torch.Size, torch.dtype] | None = None) -> None:
         self._store, self._host, self._written, self._disk = store, host, written, disk
         self._value = value

@@ -82,7 +82,8 @@ def _describe_one(annotation: object) -> str:
         return names[annotation or type(None)]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if isinstance(origin, type):
-        return f"a {origin.__name__}" + (f" of {', '.join(getattr(a, '__name__', str(a)) for a in args)}" if args else "")
+        members = ", ".join(getattr(a, "__name__", str(a)) for a in args)
+        return f"a {origin.__name__}" + (f" of {members}" if args else "")
     return f"a {getattr(annotation, '__name__', annotation)}"
 
 

@@ -12,7 +12,6 @@ import shutil
 import psutil
 import torch
 
-
 HEADROOM_FRACTION = 0.05  # of the machine's RAM, left free by every plan (at least HEADROOM_MIN)
 HEADROOM_MIN = 1 << 30
 

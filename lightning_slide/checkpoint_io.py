@@ -22,7 +22,8 @@ import re
 import shutil
 import socket
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO

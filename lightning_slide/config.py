@@ -113,7 +113,7 @@ class SlideConfig:
         return 3 if self.slots == "auto" else self.slots
 
     @classmethod
-    def from_kwargs(cls, **kwargs: object) -> "SlideConfig":
+    def from_kwargs(cls, **kwargs: object) -> SlideConfig:
         """Build from loose keyword arguments (Hydra, registry init params), naming any unknown key."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
@@ -140,7 +140,7 @@ def _omegaconf_type(hint: Any) -> Any:
         return kinds.pop() if len(kinds) == 1 else Any
     if origin in (Union, types.UnionType):
         members = tuple(dict.fromkeys(_omegaconf_type(arg) for arg in typing.get_args(hint)))
-        return members[0] if len(members) == 1 else Union[members]
+        return members[0] if len(members) == 1 else Union[members]  # noqa: UP007 - built from a runtime tuple
     return hint
 
 

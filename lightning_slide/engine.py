@@ -200,7 +200,8 @@ class SlideEngine:
         )
         return Part(unit, module, module.forward, bindings, needs_rng, module.__dict__.get("forward"))
 
-    def _disk_files(self, specs: list, owned: list[list[nn.Parameter]], group_of: dict[int, int]) -> dict[int, DiskFile]:
+    def _disk_files(self, specs: list, owned: list[list[nn.Parameter]],
+                    group_of: dict[int, int]) -> dict[int, DiskFile]:
         """The disk-tier file of each unit whose moments (and, with nvme_master, fp32 master) live on disk."""
         numel = [sum(p.numel() for p in params) for params in owned]
         trainable = [sum(p.numel() for p in params if id(p) in group_of) for params in owned]
@@ -239,9 +240,8 @@ class SlideEngine:
     # ---------------------------------------------------------------------------------- the schedule
     def _forward(self, part: Part, *args: Any, **kwargs: Any) -> Any:
         self.failure.check()
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            if torch.is_grad_enabled():
-                raise ValueError("slideformer trains without a KV cache: call the model with use_cache=False.")
+        if (kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None) and torch.is_grad_enabled():
+            raise ValueError("slideformer trains without a KV cache: call the model with use_cache=False.")
         call = Call(self, part, args, kwargs)
         if not (torch.is_grad_enabled() and (part.trainable_owners or call.grad_positions)):
             return call.rebuild(call.forward(()))
@@ -437,7 +437,8 @@ class SlideEngine:
                 state = self.optimizer.state.get(p)
                 if not state or s.offsets[id(p)] >= s.trainable_numel:
                     continue
-                for key, flat in (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq), ("max_exp_avg_sq", s.max_exp_avg_sq)):
+                flats = (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq), ("max_exp_avg_sq", s.max_exp_avg_sq))
+                for key, flat in flats:
                     if flat is not None and key in state:
                         s.view(flat, p).copy_(state[key])
                 steps.append(int(state["step"]))

@@ -16,10 +16,11 @@ updates, `load_state_dict()` waits before it writes and reloads the GPU window a
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 from types import SimpleNamespace
-from typing import Any, Callable, Generator
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -60,7 +61,7 @@ class SlideFabricPrecision(Precision):
         self.device_type = "cpu"  # the strategy sets the compute device's type at setup
 
     @classmethod
-    def adopt(cls, plugin: Precision) -> "SlideFabricPrecision":
+    def adopt(cls, plugin: Precision) -> SlideFabricPrecision:
         """Turn the plugin Fabric built from `Fabric(precision=...)` into ours, or say why not."""
         if isinstance(plugin, SlideFabricPrecision):
             return plugin

@@ -72,7 +72,7 @@ class SlotViews:
             return self.slots[packed.owner].params.as_strided(packed.size, packed.stride, packed.offset)
         return packed
 
-    def __enter__(self) -> "SlotViews":
+    def __enter__(self) -> SlotViews:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

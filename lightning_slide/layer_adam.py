@@ -9,9 +9,9 @@ steps the LR scheduler while this thread may still be updating that step's units
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch.optim import Adam, AdamW, Optimizer

@@ -15,9 +15,9 @@ import logging
 import warnings
 import zipfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ class CheckpointReader(ABC):
                                     f"{', '.join(missing)}. Copy the whole folder that save_pretrained wrote.")
 
     @staticmethod
-    def open(folder: Path) -> "CheckpointReader":
+    def open(folder: Path) -> CheckpointReader:
         """The reader for the weights in `folder` (safetensors first); FileNotFoundError without any."""
         for reader, (single, index) in zip((SafetensorsReader, TorchBinReader), WEIGHT_LAYOUTS):
             if (folder / index).is_file():
@@ -89,7 +89,7 @@ class CheckpointReader(ABC):
                               "model.config.name_or_path = '' to start from the model's initialiser.")
 
     @classmethod
-    def of(cls, model: nn.Module) -> "CheckpointReader | None":
+    def of(cls, model: nn.Module) -> CheckpointReader | None:
         """The reader for the local folder the model names; None (random init) when it names no local folder."""
         name = str(getattr(model.config, "name_or_path", "") or "")
         folder = Path(name).expanduser()

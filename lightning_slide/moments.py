@@ -13,8 +13,8 @@ training.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Callable, Iterable, Sequence
 
 import torch
 

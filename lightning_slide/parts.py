@@ -9,9 +9,10 @@ through `PartHost`: enter and leave a part, compute it, save an input, store gra
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ def run_part(part: Part, slots: dict[int, Slot], leaves: list, spec: Any, weight
 
 class PartFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: "Call", anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.call = call
         outputs = call.forward(inputs)
         ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))

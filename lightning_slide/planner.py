@@ -72,7 +72,7 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def from_config(cls, config: object) -> "ModelShape":
+    def from_config(cls, config: object) -> ModelShape:
         """From a Hugging Face config, for full fine-tuning: the model is built on the meta device (no memory)."""
         from transformers import AutoModelForCausalLM
 
@@ -81,7 +81,7 @@ class ModelShape:
         return cls.from_model(model, {id(p) for p in model.parameters()})
 
     @classmethod
-    def from_model(cls, root: nn.Module, trainable: set[int]) -> "ModelShape":
+    def from_model(cls, root: nn.Module, trainable: set[int]) -> ModelShape:
         """From a built model; `trainable` holds the ids of the parameters the optimizer updates."""
         model = find_causal_lm(root)
         owner: dict[int, nn.Parameter] = {}
@@ -156,7 +156,7 @@ class Resources:
     headroom: int = 0  # host RAM a plan must leave free (the page cache, the data loader, the rest of the system)
 
     @classmethod
-    def probe(cls, device: torch.device, nvme_path: str | None = None, resident: int = 0) -> "Resources":
+    def probe(cls, device: torch.device, nvme_path: str | None = None, resident: int = 0) -> Resources:
         gpu = available_vram(device) if device.type == "cuda" else None  # first: it may start the CUDA runtime
         disk = available_disk(nvme_path) if nvme_path else None
         return cls(available_ram(), gpu, disk, resident, max(0, process_rss() - resident), host_headroom())
@@ -178,13 +178,13 @@ class Plan:
     entries: tuple[Entry, ...]
 
     @classmethod
-    def static(cls, shape: ModelShape, setup: Setup) -> "Plan":
+    def static(cls, shape: ModelShape, setup: Setup) -> Plan:
         """Weights, optimizer state, GPU slots and transfer buffers: all the engine allocates at construction."""
         return cls(tuple(e for e in (*_host_state(shape, setup), *_window(shape, setup), *_transfer(shape, setup))
                          if e.bytes > 0))
 
     def batch(self, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
-              gpu_free: int | None = None) -> "Plan":
+              gpu_free: int | None = None) -> Plan:
         """What one micro-batch adds: saved part inputs and the workspace of recomputing one unit.
 
         `gpu_free` is what the GPU had before this plan; it decides `activations="auto"` as the engine will.
@@ -197,12 +197,12 @@ class Plan:
         return Plan(tuple(e for e in batch if e.bytes > 0))
 
     def with_batch(self, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
-                   gpu_free: int | None = None) -> "Plan":
+                   gpu_free: int | None = None) -> Plan:
         return replace(self, entries=self.entries + self.batch(shape, setup, micro_batch, seq_len, gpu_free).entries)
 
     @classmethod
     def estimate(cls, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
-                 resources: Resources | None = None) -> "Plan":
+                 resources: Resources | None = None) -> Plan:
         """The whole plan of a run whose batch shape is known."""
         gpu_free = resources.gpu if resources is not None else None
         return cls.static(shape, setup).with_batch(shape, setup, micro_batch, seq_len, gpu_free)
@@ -263,7 +263,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     entries = [
         Entry("fp32 master weights", setup.pinned, UnitStorage.bytes_for("master", n - master_on_disk),
               "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
-        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", UnitStorage.bytes_for("moments", t - moments_on_disk), more_disk),
+        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", UnitStorage.bytes_for("moments", t - moments_on_disk),
+              more_disk),
     ]
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
@@ -274,7 +275,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         entries.append(Entry("Hugging Face export at the end (one shard being written)", "ram", setup.export_bytes,
                              "a smaller export.max_shard_size"))
     if setup.training and setup.amsgrad:
-        entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", UnitStorage.bytes_for("amsgrad", t), "amsgrad=False"))
+        entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", UnitStorage.bytes_for("amsgrad", t),
+                             "amsgrad=False"))
     shadowed = n if UnitStorage.needs_shadow(False, setup.config.h2d_source, setup.dtype) else master_on_disk
     if shadowed:
         entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
@@ -372,8 +374,8 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
 
 
 def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) -> list[Entry]:
-    """gradients.py `GradRouter._gradient_home`: a deferred step without sums holds each unit's gradient in the compute dtype,
-    in the pinned buffer of one of the unit's saved inputs where that is large enough (every unit but the
+    """gradients.py `GradRouter._gradient_home`: a deferred step without sums holds each unit's gradient in the
+    compute dtype, in the pinned buffer of one of the unit's saved inputs where that is large enough (every unit but the
     embedding saves hidden states), else in a buffer of its own."""
     if not (setup.training and setup.mode.holds_grads) or setup.mode.sums:
         return []

@@ -6,8 +6,9 @@ themselves; this one leaves both to the engine and only frames each optimizer st
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import Steppable
@@ -37,7 +38,7 @@ class SlidePrecision(Precision):
         self.automatic = True  # the module's automatic_optimization (the strategy sets it at setup)
 
     @classmethod
-    def adopt(cls, plugin: Precision) -> "SlidePrecision":
+    def adopt(cls, plugin: Precision) -> SlidePrecision:
         """Turn the plugin Lightning built from `Trainer(precision=...)` into ours, or say why not."""
         if isinstance(plugin, SlidePrecision):
             return plugin
@@ -49,7 +50,7 @@ class SlidePrecision(Precision):
     def compute_dtype(self) -> torch.dtype:
         return torch.float32 if self.precision == "32-true" else torch.bfloat16
 
-    def forward_context(self) -> ContextManager:
+    def forward_context(self) -> AbstractContextManager:
         if self.precision == "bf16-mixed":
             return torch.autocast(self.device_type, dtype=torch.bfloat16)
         return nullcontext()
@@ -99,4 +100,5 @@ def _unsupported(precision: str) -> str:
         if precision.startswith("16")
         else ""
     )
-    return f"Unsupported precision {precision!r} for slideformer: {hint}use one of {list(SUPPORTED)} (bf16-mixed on GPUs)."
+    return (f"Unsupported precision {precision!r} for slideformer: {hint}use one of {list(SUPPORTED)} "
+            "(bf16-mixed on GPUs).")

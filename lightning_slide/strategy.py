@@ -10,9 +10,10 @@ With `offload="none"` there is no engine: the strategy is Lightning's single-dev
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
-from typing import Any, Generator, Mapping
+from typing import Any
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry

@@ -6,8 +6,7 @@ and on the CPU fallback that CI tests (every copy finishes before the call retur
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import ContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -20,16 +19,16 @@ class Lane:
         self._side = side
         self.stream = torch.cuda.Stream(device) if self.cuda and side else None
 
-    def current(self) -> "torch.cuda.Stream | None":
+    def current(self) -> torch.cuda.Stream | None:
         if not self.cuda:
             return None
         return self.stream if self._side else torch.cuda.current_stream()
 
-    def __call__(self) -> ContextManager:
+    def __call__(self) -> AbstractContextManager:
         """Context in which work is queued on this lane."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
-    def record(self, event: "torch.cuda.Event | None" = None) -> "torch.cuda.Event | None":
+    def record(self, event: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
         """Mark the work queued so far; returns the event to wait on (None on the CPU: work is done)."""
         if not self.cuda:
             return None
@@ -37,13 +36,13 @@ class Lane:
         event.record(self.current())
         return event
 
-    def wait(self, event: "torch.cuda.Event | None") -> None:
+    def wait(self, event: torch.cuda.Event | None) -> None:
         """Order this lane's later work after `event`, without blocking the host."""
         if event is not None:
             self.current().wait_event(event)
 
 
-def host_wait(event: "torch.cuda.Event | None") -> None:
+def host_wait(event: torch.cuda.Event | None) -> None:
     """Block the calling (background) thread until `event` has completed."""
     if event is not None:
         event.synchronize()

@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 

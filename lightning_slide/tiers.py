@@ -29,9 +29,9 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable
 
 import psutil
 import torch
@@ -307,12 +307,12 @@ class TierDirectory:
         self.files: list[DiskFile] = []
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
 
-    def create(self, name: str, nbytes: int) -> "DiskFile":
+    def create(self, name: str, nbytes: int) -> DiskFile:
         file = DiskFile(os.path.join(self.path, name), align(nbytes), self.io)
         self.files.append(file)
         return file
 
-    def remove(self, file: "DiskFile") -> None:
+    def remove(self, file: DiskFile) -> None:
         file.close()
         os.remove(file.path)
         self.files.remove(file)

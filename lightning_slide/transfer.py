@@ -80,7 +80,8 @@ class GradPump:
     costs more host time than the halved reads save.
     """
 
-    def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure, widen_on: torch.device | None) -> None:
+    def __init__(self, ring: LandingRing, d2h: Lane, adam: LayerAdam, failure: Failure,
+                 widen_on: torch.device | None) -> None:
         self.ring, self.d2h, self.adam = ring, d2h, adam
         self.widen = torch.empty(ring.elems, device=widen_on) if widen_on is not None else None
         self.bytes = 0

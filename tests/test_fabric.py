@@ -29,7 +29,7 @@ class Run:
         self.model, self.optimizer = self.fabric.setup(model, optimizer)
         self.losses: list[float] = []
 
-    def train(self, batches: list[torch.Tensor], accumulate: int = 1, clip: float | None = None) -> "Run":
+    def train(self, batches: list[torch.Tensor], accumulate: int = 1, clip: float | None = None) -> Run:
         for start in range(0, len(batches), accumulate):
             window = batches[start : start + accumulate]
             for i, x in enumerate(window):

@@ -6,8 +6,16 @@ import torch
 
 from lightning_slide import SlideConfig, SlideEngine
 from lightning_slide.step_mode import StepMode
-from tests.runtime.helpers import (SEQ, VOCAB, fit, param_groups, reference, relative_difference, tiny_model,
-                                   token_batches)
+from tests.runtime.helpers import (
+    SEQ,
+    VOCAB,
+    fit,
+    param_groups,
+    reference,
+    relative_difference,
+    tiny_model,
+    token_batches,
+)
 
 pytestmark = pytest.mark.gpu
 STEPS = 5
@@ -52,7 +60,8 @@ def test_every_tier_and_window_on_cuda_gives_the_cpu_tiers_parameters(settings, 
     from lightning_slide import SlideStrategy
 
     model, batches = tiny_model("llama", num_hidden_layers=6), token_batches(STEPS * 2)
-    base = fit(model, batches, SlideStrategy(use_kernels=False, recompute="always"), STEPS, accumulate=2, accelerator="gpu")
+    base = fit(model, batches, SlideStrategy(use_kernels=False, recompute="always"), STEPS, accumulate=2,
+               accelerator="gpu")
     if settings.get("offload") == "nvme":
         settings = {**settings, "nvme_path": str(tmp_path)}
     other = fit(model, batches, SlideStrategy(use_kernels=False, **settings), STEPS, accumulate=2, accelerator="gpu")

@@ -8,7 +8,6 @@ import math
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
-import lightning_slide  # noqa: F401  (registers strategy="slideformer")
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -19,6 +18,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+import lightning_slide  # noqa: F401  (registers strategy="slideformer")
 
 VOCAB, SEQ = 97, 16
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 Work = Callable[[Callable[[Any], None]], None]
 _FORK = multiprocessing.get_context("fork")

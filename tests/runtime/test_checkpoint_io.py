@@ -10,7 +10,6 @@ import os
 import pickle
 import socket
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace

@@ -11,7 +11,6 @@ from torch.utils.data import DataLoader
 from tests.runtime.helpers import CausalLM, relative_difference, tiny_model, token_batches, trainer
 
 
-
 def _fit(module, batches, steps, root, ckpt_path=None, strategy="slideformer", callbacks=()):
     t = trainer(strategy, steps, accumulate=2, clip=1.0, default_root_dir=root, enable_checkpointing=bool(callbacks),
                 callbacks=list(callbacks))

@@ -1,15 +1,13 @@
 """Bad choices fail early with a message that says what to change; a dying worker stops training."""
 
-import signal
 import time
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 import lightning_slide.layer_adam as layer_adam
-from lightning.pytorch.plugins.precision import MixedPrecision
-
 from lightning_slide import SlideConfig, SlidePrecision, SlideStrategy
 from lightning_slide.threads import WorkerError
 from tests.runtime.helpers import CausalLM, tiny_model, token_batches, trainer
@@ -17,15 +15,6 @@ from tests.runtime.helpers import CausalLM, tiny_model, token_batches, trainer
 
 def _fit(module, strategy="slideformer", **kwargs):
     trainer(strategy, 2, **kwargs).fit(module, DataLoader(token_batches(4), batch_size=None))
-
-
-@pytest.fixture
-def deadline():
-    """Fail instead of hanging: a stuck test is a failing test."""
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("timed out: training hung"))
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
 
 
 def test_a_failing_optimizer_thread_stops_fit_with_its_error(monkeypatch, deadline):
@@ -49,7 +38,8 @@ def test_two_optimizers_are_rejected():
         automatic_optimization = False
 
         def configure_optimizers(self):
-            return [torch.optim.AdamW(self.model.model.parameters()), torch.optim.AdamW(self.model.lm_head.parameters())]
+            return [torch.optim.AdamW(self.model.model.parameters()),
+                    torch.optim.AdamW(self.model.lm_head.parameters())]
 
     with pytest.raises(ValueError, match="exactly one optimizer"):
         _fit(Two(tiny_model()))

@@ -8,8 +8,20 @@ from lightning.pytorch import Callback
 from torch.utils.data import DataLoader
 
 from lightning_slide import SlideStrategy
-from tests.runtime.helpers import (ARCHS, SEQ, VOCAB, CausalLM, fit, param_groups, reference, relative_difference,
-                                   tiny_model, token_batches, trainer, warmup_decay)
+from tests.runtime.helpers import (
+    ARCHS,
+    SEQ,
+    VOCAB,
+    CausalLM,
+    fit,
+    param_groups,
+    reference,
+    relative_difference,
+    tiny_model,
+    token_batches,
+    trainer,
+    warmup_decay,
+)
 
 STEPS = 5
 

@@ -11,8 +11,8 @@ from tests.runtime.helpers import fit, tiny_model, token_batches
 STEPS = 4
 
 
-def _train_engine(rows: int, steps: int = 2, mode: StepMode = StepMode(clip_norm=1.0), dtype: torch.dtype = torch.bfloat16,
-                  activations: str = "cpu") -> SlideEngine:
+def _train_engine(rows: int, steps: int = 2, mode: StepMode = StepMode(clip_norm=1.0),
+                  dtype: torch.dtype = torch.bfloat16, activations: str = "cpu") -> SlideEngine:
     """A tiny Llama trained `steps` steps of `rows` x 16 tokens by the engine alone (no Lightning)."""
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(activations=activations),

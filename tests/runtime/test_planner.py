@@ -92,7 +92,8 @@ def _measure_in_this_process(case: dict) -> dict:
         model(input_ids=x, labels=x).loss.backward()
         engine.end_step()
         engine.synchronize()
-    peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
     return {"estimate": estimate, "measured": peak - base}
 
 
@@ -121,7 +122,8 @@ def test_estimate_is_within_ten_percent_of_measured_peak_rss(case):
                          text=True, timeout=300, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     error = result["estimate"] / result["measured"] - 1
-    assert abs(error) <= 0.10, f"estimate {result['estimate'] / 2**20:.0f} MiB, measured {result['measured'] / 2**20:.0f} MiB"
+    assert abs(error) <= 0.10, (f"estimate {result['estimate'] / 2**20:.0f} MiB, "
+                                f"measured {result['measured'] / 2**20:.0f} MiB")
 
 
 def _llama_8b() -> ModelShape:
@@ -272,7 +274,8 @@ def test_recompute_never_plans_every_blocks_graph_and_names_recompute_when_it_ca
     plan = Plan.estimate(shape, setup, micro_batch=8, seq_len=1024)
     kept = next(e for e in plan.entries if e.what.startswith("kept graphs of 32 blocks"))
     assert kept.bytes == 32 * 8 * 1024 * planner._block_graph_per_token(shape, setup)
-    assert not any(e.what.startswith("kept graphs") for e in Plan.estimate(shape, Setup(SlideConfig()), 8, 1024).entries)
+    default = Plan.estimate(shape, Setup(SlideConfig()), 8, 1024)
+    assert not any(e.what.startswith("kept graphs") for e in default.entries)
     with pytest.raises(PlanError, match="recompute='auto'"):
         plan.check(Resources(ram=126 * GiB, gpu=24 * GiB))
 
@@ -296,7 +299,8 @@ def test_the_probe_keeps_a_twentieth_of_the_ram_free_and_counts_what_the_process
 
 
 @pytest.mark.parametrize("micro_batch, own", [(8, "all"), (64, "embed+head")])
-def test_a_clipped_8b_step_holds_bf16_gradients_outside_saved_input_buffers_only_where_they_do_not_fit(micro_batch, own):
+def test_a_clipped_8b_step_holds_bf16_gradients_outside_saved_input_buffers_only_where_they_do_not_fit(
+        micro_batch, own):
     shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"), mode=StepMode(clip_norm=1.0))
     plan = Plan.estimate(shape, setup, micro_batch, 1024)
     held = next(e for e in plan.entries if e.what.startswith("held gradients"))

@@ -34,7 +34,8 @@ def start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
     """`python train.py` as a user starts it, its output in run_dir.log (a pipe could fill up and stall it)."""
     log = open(f"{run_dir}.log", "wb")  # noqa: SIM115 (the child holds it; closed by the caller's wait)
     cmd = [sys.executable, "train.py", "model=tiny", f"hydra.run.dir={run_dir}", *SHORT_RUN, *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def finish(process: subprocess.Popen, run_dir: Path) -> Path:

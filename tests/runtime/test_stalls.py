@@ -19,7 +19,6 @@ import lightning_slide.tiers as tiers
 from lightning_slide import SlideStrategy
 from lightning_slide.threads import Failure, Worker, WorkerStalled
 from tests.runtime.helpers import CausalLM, tiny_model, token_batches, trainer
-from tests.runtime.test_errors import deadline  # noqa: F401  (fixture: fail instead of hanging)
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT_S = 1.0

@@ -2,7 +2,7 @@
 
 import copy
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,8 +10,17 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_slide import SlidePrecision, SlideStrategy
-from tests.runtime.helpers import (CausalLM, EmbedsOutside, SkipsBatches, param_groups, reference, relative_difference,
-                                   tiny_model, token_batches, trainer)
+from tests.runtime.helpers import (
+    CausalLM,
+    EmbedsOutside,
+    SkipsBatches,
+    param_groups,
+    reference,
+    relative_difference,
+    tiny_model,
+    token_batches,
+    trainer,
+)
 
 
 def test_strategy_name_and_precision_flag_are_honoured():
@@ -92,18 +101,21 @@ class ManualVariants(CausalLM):
 
 def test_clip_gradients_in_manual_optimization_clips_that_step_as_with_lightning():
     model = tiny_model("llama")
-    lightning, ours = _lightning_and_ours(lambda: ManualVariants(copy.deepcopy(model), clip="norm"), token_batches(3), 3)
+    lightning, ours = _lightning_and_ours(lambda: ManualVariants(copy.deepcopy(model), clip="norm"),
+                                          token_batches(3), 3)
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
 def test_clipping_by_value_in_manual_optimization_is_refused():
     with pytest.raises(ValueError, match="global gradient norm only"):
-        trainer("slideformer", 1).fit(ManualVariants(tiny_model(), clip="value"), DataLoader(token_batches(1), batch_size=None))
+        trainer("slideformer", 1).fit(ManualVariants(tiny_model(), clip="value"),
+                                      DataLoader(token_batches(1), batch_size=None))
 
 
 def test_a_manual_step_without_a_backward_changes_nothing_as_with_lightning():
     model = tiny_model("llama")
-    lightning, ours = _lightning_and_ours(lambda: ManualVariants(copy.deepcopy(model), backward_every=2), token_batches(4), 4)
+    lightning, ours = _lightning_and_ours(lambda: ManualVariants(copy.deepcopy(model), backward_every=2),
+                                          token_batches(4), 4)
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
@@ -116,7 +128,8 @@ def test_a_batch_whose_training_step_returns_none_is_skipped_as_lightning_skips_
     """Lightning's own loop is the reference: no backward for the batch; the optimizer steps on what the
     window's other micro-batches accumulated, and not at all when there is none."""
     model = tiny_model("llama")
-    lightning, ours = _lightning_and_ours(lambda: SkipsBatches(copy.deepcopy(model), skip), token_batches(8), 3, **window)
+    lightning, ours = _lightning_and_ours(lambda: SkipsBatches(copy.deepcopy(model), skip), token_batches(8), 3,
+                                          **window)
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
@@ -132,7 +145,8 @@ def test_a_loss_that_reaches_no_parameter_changes_nothing_as_with_lightning():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), module.model.parameters()))
 
 
-@pytest.mark.parametrize("window", [dict(), dict(clip=0.5), dict(accumulate=2)], ids=["eager", "clipped", "accumulated"])
+@pytest.mark.parametrize("window", [dict(), dict(clip=0.5), dict(accumulate=2)],
+                         ids=["eager", "clipped", "accumulated"])
 def test_a_unit_without_a_gradient_is_left_as_adamw_leaves_it(window):
     model = tiny_model("llama")
     lightning, ours = _lightning_and_ours(lambda: EmbedsOutside(copy.deepcopy(model)), token_batches(6), 3, **window)

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 import lightning_slide.tiers as tiers
 from lightning_slide.tiers import OWNER_FILE, TierDirectory, remove_stale_tier_folders

@@ -16,9 +16,17 @@ from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import ModelShape, Plan, PlanError, Resources, Setup, fit_moments
 from lightning_slide.threads import Failure, WorkerError
 from lightning_slide.tiers import DiskTierError, Region, Spill, TierDirectory
+from tests.runtime.helpers import (
+    CausalLM,
+    EmbedsOutside,
+    SkipsBatches,
+    fit,
+    param_groups,
+    tiny_model,
+    token_batches,
+    trainer,
+)
 from tests.runtime.test_planner import SMALL
-from tests.runtime.helpers import (CausalLM, EmbedsOutside, SkipsBatches, fit, param_groups, tiny_model, token_batches,
-                                   trainer)
 
 STEPS = 4
 
