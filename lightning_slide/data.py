@@ -1,7 +1,8 @@
-"""Training data: a built-in corpus that needs no download, and JSONL files of text or prompt/response records.
+"""Training data: a built-in corpus that needs no download, and JSONL files of text, prompt/response or chat records.
 
 Every example is a dict of token lists with `labels` (-100 where no loss is taken: prompts and padding),
-so the module computes one kind of loss whatever the source.
+so the module computes one kind of loss whatever the source. Each record's keys decide its format, so one file may
+mix them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.utils.data import DataLoader, Dataset, Sampler, random_split
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-IGNORE_INDEX = -100
+from lightning_slide.chat import IGNORE_INDEX, chat_record_problem, encode_chat
 
 #: Standard-library modules whose source is the built-in corpus: present in every Python install, so the
 #: demo trains offline. Python code is regular enough that a tiny model's loss falls within a minute.
@@ -63,8 +64,8 @@ def builtin_examples(tokenizer: PreTrainedTokenizerBase, seq_len: int) -> list[d
     return [{"input_ids": w, "attention_mask": [1] * seq_len, "labels": w} for w in windows]
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, str]]:
-    """Records of a JSONL file, each {"text"} or {"prompt", "response"}; errors name the file and line."""
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file, each {"text"}, {"prompt", "response"} or {"messages"}; errors name the file and line."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist. Point data.path at a JSONL file.")
@@ -75,11 +76,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, str]]:
                 records.append(_parse_record(line, f"{path}:{lineno}"))
     if not records:
         raise ValueError(f"{path} holds no records. Write one JSON object per line, "
-                         'e.g. {"text": "..."} or {"prompt": "...", "response": "..."}.')
+                         'e.g. {"text": "..."}, {"prompt": "...", "response": "..."} or '
+                         '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}.')
     return records
 
 
-def _parse_record(line: str, where: str) -> dict[str, str]:
+def _parse_record(line: str, where: str) -> dict[str, Any]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -89,13 +91,20 @@ def _parse_record(line: str, where: str) -> dict[str, str]:
         isinstance(record.get("text"), str) or all(isinstance(record.get(k), str) for k in ("prompt", "response"))
     ):
         return record
+    if isinstance(record, dict) and "messages" in record:
+        problem = chat_record_problem(record["messages"])
+        if problem is None:
+            return record
+        raise ValueError(f"{where}: a chat record's {problem}.")
     found = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-    raise ValueError(f'{where}: a record needs a string "text", or string "prompt" and "response"; '
-                     f"this one has {found}.")
+    raise ValueError(f'{where}: a record needs a string "text", string "prompt" and "response", or a list of '
+                     f'"messages"; this one has {found}.')
 
 
-def encode_record(record: dict[str, str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> dict[str, list[int]]:
-    """Tokens of one record, cut to `seq_len`, with loss on the text or on the response only."""
+def encode_record(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> dict[str, list[int]]:
+    """Tokens of one record, cut to `seq_len`, with loss on the text, the response or the assistant turns only."""
+    if "messages" in record and not isinstance(record.get("text"), str):
+        return encode_chat(record["messages"], tokenizer, seq_len)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if isinstance(record.get("text"), str):
         prompt, target = [], tokenizer(record["text"])["input_ids"] + eos
@@ -108,12 +117,13 @@ def encode_record(record: dict[str, str], tokenizer: PreTrainedTokenizerBase, se
 
 
 def jsonl_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> list[dict[str, list[int]]]:
-    """Encoded records of a JSONL file, skipping (with a warning) those whose response lies past `seq_len`."""
+    """Encoded records of a JSONL file, skipping (with a warning) those whose response or assistant turns lie
+    past `seq_len`."""
     encoded = [encode_record(r, tokenizer, seq_len) for r in read_jsonl(path)]
     examples = [e for e in encoded if any(label != IGNORE_INDEX for label in e["labels"][1:])]
     if len(examples) < len(encoded):
-        warnings.warn(f"{len(encoded) - len(examples)} record(s) of {path} have no response token within "
-                      f"data.seq_len={seq_len} and were skipped; raise data.seq_len to keep them.", stacklevel=2)
+        warnings.warn(f"{len(encoded) - len(examples)} record(s) of {path} have no response or assistant token "
+                      f"within data.seq_len={seq_len} and were skipped; raise data.seq_len to keep them.", stacklevel=2)
     return examples
 
 
