@@ -18,7 +18,7 @@ python3 -m venv "$VENV"
 "$VENV/bin/ruff" check .
 if /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
   echo "scripts/test.sh: a CUDA driver is installed, so no stand-in libcuda; the disk tier's kvikio tests run" \
-       "with kvikio from pip install -e '.[gpu]' and skip without it" >&2
+       "with kvikio from pip install -e '.[nvme]' and skip without it" >&2
 else
   "$VENV/bin/pip" install -q --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 cuda-toolkit==13.5.0 \
       nvidia-cufile==1.20.0.107 cuda-pathfinder==1.9.1 rapids-logger==0.3.0
