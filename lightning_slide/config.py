@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import types
 import typing
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from typing import Any, Literal, Union
 
 Offload = Literal["none", "cpu", "nvme"]
@@ -120,6 +121,15 @@ class SlideConfig:
         if unknown:
             raise TypeError(f"Unknown slideformer setting(s) {unknown}; valid settings are {sorted(known)}.")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def for_strategy(cls, config: SlideConfig | None = None, **overrides: object) -> SlideConfig:
+        """A strategy's settings: `config` (default: the defaults) with keyword overrides, and the disk tier's
+        folder the system temporary directory when none is given."""
+        merged = cls.from_kwargs(**{**asdict(config or cls()), **overrides})
+        if merged.offload == "nvme" and merged.nvme_path is None:
+            merged = replace(merged, nvme_path=tempfile.gettempdir())
+        return merged
 
 
 def omegaconf_schema() -> type:

@@ -15,10 +15,8 @@ updates, `load_state_dict()` waits before it writes and reloads the GPU window a
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,12 +101,10 @@ class SlideFabricStrategy(SingleDeviceStrategy):
             checkpoint_io: how `fabric.save` writes; default: atomically (a temporary file, then renamed).
             **settings: SlideConfig fields that replace those of ``config`` (``offload="nvme"``, ``slots=4``).
         """
-        self.config = SlideConfig.from_kwargs(**{**asdict(config or SlideConfig()), **settings})
+        self.config = SlideConfig.for_strategy(config, **settings)
         if self.config.offload == "none":
             raise ValueError("offload='none' is plain single-device training: use Fabric's own strategy "
                              "(Fabric(strategy='auto')) instead of slideformer.")
-        if self.config.offload == "nvme" and self.config.nvme_path is None:
-            self.config = replace(self.config, nvme_path=tempfile.gettempdir())
         super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision)
         self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
         self.engine: SlideEngine | None = None

@@ -9,10 +9,9 @@ With `offload="none"` there is no engine: the strategy is Lightning's single-dev
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -92,9 +91,7 @@ class SlideStrategy(SingleDeviceStrategy):
                 the registry's ``strategy="slideformer_nvme"`` passes ``offload="nvme"`` so. An unknown name is
                 refused with the list of valid ones.
         """
-        self.config = SlideConfig.from_kwargs(**{**asdict(config or SlideConfig()), **settings})
-        if self.config.offload == "nvme" and self.config.nvme_path is None:
-            self.config = replace(self.config, nvme_path=tempfile.gettempdir())
+        self.config = SlideConfig.for_strategy(config, **settings)
         super().__init__(device or "cpu", accelerator, checkpoint_io or AtomicCheckpointIO(), precision_plugin)
         self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device(device)]
         self.engine: SlideEngine | None = None
