@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side commands, one per measurement (results: benchmarks/results/README.md).
-#   bash scripts/gpu.sh check   GPU tests (runtime + kernels)              -> results/gpu-tests/
+#   bash scripts/gpu.sh check   every test marked gpu (runtime, kernels, Fabric) -> results/gpu-tests/
 #   bash scripts/gpu.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, TOKENS=4096,16384,
 #                                       NO_COMPILE=1, OPS_TIMEOUT=s: what finished in time is still collected)
 #                                                                                   -> results/kernels/
@@ -28,7 +28,7 @@ python3 -c "import torch, triton, transformers, lightning; print(torch.__version
 
 case "${1:-check}" in
   check)
-    timeout 300 python3 -m pytest -q -m gpu tests/gpu tests/ops -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     ;;
   ops)
     timeout "${OPS_TIMEOUT:-300}" python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" \
