@@ -3,13 +3,13 @@
 import os
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
-
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 
 
 def test_quickstart_notebook_runs_end_to_end(tmp_path, monkeypatch):
+    import nbformat  # the dev extra's; imported here so that collecting the suite (e.g. `-m gpu`) needs neither
+    from nbclient import NotebookClient
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the kernel inherits it: any download attempt fails the test
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # kernel "python3" with argv "python" runs as this interpreter (jupyter_client substitutes sys.executable)
