@@ -164,7 +164,7 @@ def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         callbacks=[
             *([checkpoints(c["checkpoint"], run_dir)] if c["checkpoint"] is not None else []),
             ThroughputMemoryMonitor(),
-            HFExport(run_dir / "hf_model", tokenizer, **c["export"]),
+            *([HFExport(run_dir / "hf_model", tokenizer, **c["export"])] if c["export"] is not None else []),
         ],
     )
     trainer.fit(module, datamodule=TextDataModule(tokenizer, seed=c["seed"], **c["data"]), ckpt_path=c["resume"])

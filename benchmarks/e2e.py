@@ -38,20 +38,25 @@ class Watch:
     """What polling a running CLI process saw."""
 
     peak_rss_gib: float = 0.0
+    peak_anon_gib: float = 0.0  # resident memory not backed by a file (RssAnon + RssShmem), at its highest poll
     saves: dict[str, list] = field(default_factory=dict)  # checkpoint name -> [first seen, complete] (s)
     export_s: list = field(default_factory=list)  # [started, finished]
     killed_at_s: float | None = None
 
 
-def _vm_hwm_gib(pid: int) -> float:
-    """The peak resident set of a live process (Linux VmHWM), 0 when it has gone."""
+def _memory_gib(pid: int) -> tuple[float, float]:
+    """A live process's peak resident set (Linux VmHWM) and its resident memory not backed by files now
+    (RssAnon + RssShmem: what the planner counts; a checkpoint loaded with mmap adds clean file pages to the
+    resident set, which the kernel drops under pressure); zeros when it has gone."""
+    fields: dict[str, float] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024 / GIB
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024 / GIB
     except (FileNotFoundError, ProcessLookupError):
         pass
-    return 0.0
+    return fields.get("VmHWM", 0.0), fields.get("RssAnon", 0.0) + fields.get("RssShmem", 0.0)
 
 
 def _observe(run_dir: Path, watch: Watch, t: float) -> None:
@@ -88,7 +93,8 @@ def run_cli(name: str, overrides: list[str], work: Path, run_dir: Path, cap_gib:
     watch = Watch()
     while proc.poll() is None and time.perf_counter() - start < timeout_s:
         t = time.perf_counter() - start
-        watch.peak_rss_gib = max(watch.peak_rss_gib, _vm_hwm_gib(proc.pid))
+        hwm, anon = _memory_gib(proc.pid)
+        watch.peak_rss_gib, watch.peak_anon_gib = max(watch.peak_rss_gib, hwm), max(watch.peak_anon_gib, anon)
         _observe(run_dir, watch, t)
         if kill_after_save and _saved(watch):
             proc.send_signal(signal.SIGKILL)
@@ -100,7 +106,8 @@ def run_cli(name: str, overrides: list[str], work: Path, run_dir: Path, cap_gib:
     log.close()
     _observe(run_dir, watch, time.perf_counter() - start)
     record = {"name": name, "command": " ".join(cmd), "rc": proc.returncode, "wall_s": time.perf_counter() - start,
-              "peak_rss_gib_polled": watch.peak_rss_gib, "killed_at_s": watch.killed_at_s,
+              "peak_rss_gib_polled": watch.peak_rss_gib,
+              "peak_anon_rss_gib_polled": watch.peak_anon_gib, "killed_at_s": watch.killed_at_s,
               "saves_s": {n: b - a for n, (a, b) in watch.saves.items() if b is not None},
               "export_s": watch.export_s[1] - watch.export_s[0] if watch.export_s and watch.export_s[1] else None}
     if peaks.is_file():
@@ -126,9 +133,18 @@ def _metrics(run_dir: Path) -> dict:
     rows = list(csv.DictReader(path.open()))
     rates = [float(r["tokens/s"]) for r in rows if r.get("tokens/s")]
     vals = [(int(r["step"]), float(r["val/loss"])) for r in rows if r.get("val/loss")]
-    train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    train = [(int(r["step"]), float(r["train/loss"])) for r in rows if r.get("train/loss")]
     return {"tokens_per_s_windows": rates, "tokens_per_s": statistics.median(rates[1:]) if len(rates) > 1 else None,
-            "val_loss": vals, "train_loss_last": train[-1] if train else None}
+            "val_loss": vals, "train_loss_last": train[-1][1] if train else None, "train_loss": train}
+
+
+def resume_gap(uninterrupted: dict, resumed: dict) -> dict:
+    """The resumed run's logged train losses beside the uninterrupted run's at the same steps."""
+    reference = dict(map(tuple, uninterrupted.get("train_loss", [])))
+    pairs = [(step, loss, reference[step]) for step, loss in resumed.get("train_loss", []) if step in reference]
+    return {"steps_compared": [p[0] for p in pairs],
+            "max_abs_loss_diff": max((abs(a - b) for _, a, b in pairs), default=None),
+            "losses_equal": bool(pairs) and all(a == b for _, a, b in pairs)}
 
 
 def reload_check(folder: Path, checkpoint: Path | None, seq_len: int, batch_size: int) -> dict:
@@ -193,11 +209,20 @@ def main(argv: list[str] | None = None) -> int:
                  "trainer.log_every_n_steps=5", "+trainer.limit_val_batches=4"]
     if not args.crash:
         overrides.append("checkpoint=null")
+    else:  # every step's loss, and the same run uninterrupted (no checkpoints, no export) to compare it with
+        overrides[overrides.index("trainer.log_every_n_steps=5")] = "trainer.log_every_n_steps=1"
+        plain_dir = args.work / f"{args.model}-uninterrupted"
+        shutil.rmtree(plain_dir, ignore_errors=True)
+        plain = run_cli("uninterrupted", [*overrides, "checkpoint=null", "export=null"], logs, plain_dir,
+                        args.cap_gib, timeout_s=end - time.perf_counter())
+        shutil.rmtree(plain_dir, ignore_errors=True)
     runs = [run_cli("first", overrides, logs, run_dir, args.cap_gib, kill_after_save=args.crash,
                     timeout_s=end - time.perf_counter())]
     if args.crash:
         runs.append(run_cli("resumed", [*overrides, f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"], logs,
                             run_dir, args.cap_gib, timeout_s=end - time.perf_counter()))
+    if args.crash:
+        runs.insert(0, plain)
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     try:
         check = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(args.out), "--reload",
@@ -211,11 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     record = {"case": f"e2e-{args.model}", "system": "lightning-slide CLI (train.py)", "model_key": args.model,
               "micro_batch": args.batch_size, "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib,
               "steps": args.steps, "crash_and_resume": args.crash, "runs": runs, "reload": reload,
+              "resume": resume_gap(runs[0], runs[-1]) if args.crash else None,
               "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": _machine()}
     (args.out / f"e2e-{args.model}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     shutil.rmtree(run_dir, ignore_errors=True)
-    return 0 if all(r["rc"] == 0 for r in runs[args.crash:]) and "error" not in reload else 1
+    finished = [r for r in runs if r["name"] != "first"]  # the first of a crash cycle is killed on purpose
+    return 0 if all(r["rc"] == 0 for r in finished) and "error" not in reload else 1
 
 
 def _machine() -> dict:

@@ -11,6 +11,9 @@
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
+#   bash scripts/gpu.sh crash   the whole crash cycle at 1B: the run uninterrupted, then checkpoint, SIGKILL,
+#                                       resume, export and reload, the resumed losses beside the uninterrupted ones
+#                                                                                   -> results/e2e/
 # Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
 # installed into /tmp/site first.
 set -uo pipefail
@@ -56,6 +59,10 @@ case "${1:-check}" in
     python3 -m benchmarks.e2e --model llama3_8b --out "$OUT" --deadline-s 230 --commit "$COMMIT" 2>&1 | tail -3
     df -h /tmp | tee -a "$OUT/machine.txt"
     python3 -m benchmarks.e2e --model llama3_3b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 200 \
+      --commit "$COMMIT" 2>&1 | tail -3
+    ;;
+  crash)
+    python3 -m benchmarks.e2e --model llama3_1b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 420 \
       --commit "$COMMIT" 2>&1 | tail -3
     ;;
   bench)

@@ -200,6 +200,13 @@ def test_export_settings_shape_the_hf_folder(tmp_path):
     assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
 
 
+def test_export_null_and_checkpoint_null_write_neither(tmp_path):
+    train(config("offload=cpu", "trainer.max_steps=1", "trainer.val_check_interval=1", "+trainer.limit_val_batches=1",
+                 "export=null", "checkpoint=null"), tmp_path)
+    assert not (tmp_path / "hf_model").exists() and not (tmp_path / "checkpoints").exists()
+    assert logged(tmp_path, "val/loss")  # it trained and validated
+
+
 def test_throughput_counts_only_non_padding_tokens(monkeypatch):
     clock = iter([0.0, 2.0])
     monkeypatch.setattr("lightning_slide.callbacks.time.perf_counter", lambda: next(clock, 2.0))
