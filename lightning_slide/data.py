@@ -89,7 +89,7 @@ def encode_record(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, se
 
 
 def local_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_len: int,
-                   columns: Mapping[str, str] | None = None) -> list[dict[str, list[int]]]:
+                   columns: Mapping[str, str | None] | None = None) -> list[dict[str, list[int]]]:
     """Encoded records of `data.path`, skipping (with a warning) those whose response or assistant turns lie
     past `seq_len` (every example kept has a trained token after its first, so at least two tokens)."""
     encoded = [encode_record(r, tokenizer, seq_len) for r in read_records(path, columns)]
@@ -121,7 +121,7 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         packing: bool = True,
-        columns: Mapping[str, str] | None = None,
+        columns: Mapping[str, str | None] | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2 or batch_size < 1 or not 0 < val_fraction < 1:

@@ -30,7 +30,7 @@ EXAMPLE = ('e.g. {"text": "..."}, {"prompt": "...", "response": "..."} or '
            '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}')
 
 
-def read_records(path: str | Path, columns: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+def read_records(path: str | Path, columns: Mapping[str, str | None] | None = None) -> list[dict[str, Any]]:
     """Every record of `data.path`, checked; errors name the file and line (or row)."""
     path = Path(path).expanduser()
     column_of = _columns(columns)
@@ -47,14 +47,14 @@ def read_records(path: str | Path, columns: Mapping[str, str] | None = None) -> 
     return records
 
 
-def _columns(columns: Mapping[str, str] | None) -> dict[str, str]:
-    """field -> the column that holds it, for every field."""
+def _columns(columns: Mapping[str, str | None] | None) -> dict[str, str]:
+    """field -> the column that holds it, for every field (a field mapped to None is its own column)."""
     unknown = sorted(set(columns or {}) - set(FIELDS))
     if unknown:
         raise ValueError(f"data.columns names {unknown}, which are not record fields: it maps a field "
                          f"({', '.join(FIELDS)}) to the column that holds it, e.g. data.columns={{messages: "
                          "conversations}.")
-    return {field: str((columns or {}).get(field, field)) for field in FIELDS}
+    return {field: str((columns or {}).get(field) or field) for field in FIELDS}
 
 
 def _renamed(row: Any, column_of: dict[str, str]) -> Any:
