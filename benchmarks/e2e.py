@@ -211,14 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     record = {"case": f"e2e-{args.model}", "system": "lightning-slide CLI (train.py)", "model_key": args.model,
               "micro_batch": args.batch_size, "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib,
               "steps": args.steps, "crash_and_resume": args.crash, "runs": runs, "reload": reload,
-              "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": _machine()}
+              "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": machine()}
     (args.out / f"e2e-{args.model}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     shutil.rmtree(run_dir, ignore_errors=True)
     return 0 if all(r["rc"] == 0 for r in runs[args.crash:]) and "error" not in reload else 1
 
 
-def _machine() -> dict:
+def machine() -> dict:
+    """The GPU, CPU, cores, RAM, torch and Python of this machine, for a result record."""
     import platform
 
     import psutil

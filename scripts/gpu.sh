@@ -11,6 +11,8 @@
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
+#   bash scripts/gpu.sh packing  packed against padded SFT batches at 1B, seq 2048 (benchmarks/packing.py;
+#                                       MODEL= another architecture)                -> results/packing/
 # Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
 # installed into /tmp/site first.
 set -uo pipefail
@@ -57,6 +59,10 @@ case "${1:-check}" in
     df -h /tmp | tee -a "$OUT/machine.txt"
     python3 -m benchmarks.e2e --model llama3_3b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 200 \
       --commit "$COMMIT" 2>&1 | tail -3
+    ;;
+  packing)
+    timeout 300 python3 -m benchmarks.packing --model "${MODEL:-llama3_1b}" --out "$OUT" --commit "$COMMIT" 2>&1 \
+      | tail -60 > "$OUT/packing.log"; tail -20 "$OUT/packing.log"
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"

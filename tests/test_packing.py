@@ -80,23 +80,37 @@ def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
                            reduction="none")
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_each_token_of_a_packed_row_gets_the_loss_it_gets_alone(attention):
-    model, g = tiny_llama(attention), torch.Generator().manual_seed(1)
+def assert_each_packed_token_gets_its_loss_alone(model: torch.nn.Module, device: str = "cpu", tol: float = 1e-5):
+    g = torch.Generator().manual_seed(1)
     examples = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 4, 13, 6, 2, 11)]
     rows = [[examples[i] for i in row] for row in pack([len(e) for e in examples], 24)]
     batch = pad_rows([packed_row([{"input_ids": e, "labels": e} for e in row]) for row in rows], pad_id=0)
     with torch.no_grad():
-        packed = token_losses(model, batch)
+        packed = token_losses(model, {k: v.to(device) for k, v in batch.items()})
         for r, row in enumerate(rows):
             start = 0
             for ids in row:
-                alone = token_losses(model, {"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids]),
-                                             "attention_mask": torch.ones(1, len(ids), dtype=torch.long)})[0]
-                torch.testing.assert_close(packed[r, start : start + len(ids) - 1], alone, rtol=1e-5, atol=1e-6)
+                one = torch.tensor([ids], device=device)
+                alone = token_losses(model, {"input_ids": one, "labels": one, "attention_mask": torch.ones_like(one)})
+                torch.testing.assert_close(packed[r, start : start + len(ids) - 1], alone[0], rtol=tol, atol=tol / 10)
                 if start:  # the previous example's last token is not trained to predict this one's first
                     assert packed[r, start - 1] == 0
                 start += len(ids)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_each_token_of_a_packed_row_gets_the_loss_it_gets_alone(attention):
+    assert_each_packed_token_gets_its_loss_alone(tiny_llama(attention))
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_the_kernels_each_packed_token_gets_the_loss_it_gets_alone():
+    """Triton RMSNorm, SwiGLU and RoPE (cos/sin per row: positions differ row by row) and CUDA sdpa."""
+    from lightning_slide import ops
+
+    model = tiny_llama("sdpa").cuda()
+    with ops.patch(model):
+        assert_each_packed_token_gets_its_loss_alone(model, "cuda", tol=1e-4)
 
 
 def test_packed_rows_are_refused_under_flash_attention_with_several_rows():
