@@ -55,19 +55,26 @@ def sft_records(count: int, median: int, sigma: float, seed: int) -> list[dict[s
 
 
 class TokenWindow(pl.Callback):
-    """Ticks the window clock after every step and sums the real and all tokens of the timed steps' batches."""
+    """Ticks the window clock after every step and sums the real and all tokens of the timed steps' batches; counts
+    the timed batches larger than any before (the engine sizes its window again for each: a step that recomputes
+    every block and grows the window back after it)."""
 
     def __init__(self, clock: WindowClock) -> None:
         self.clock = clock
         self.real: torch.Tensor | int = 0
         self.tokens = 0
+        self.largest = 0
+        self.larger_batches = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object,
                            batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.clock.tick()
+        size = batch["input_ids"].numel()
         if self.clock.warmup < self.clock.ticks <= self.clock.warmup + self.clock.steps:
             self.real = self.real + non_padding_tokens(batch)
-            self.tokens += batch["input_ids"].numel()
+            self.tokens += size
+            self.larger_batches += size > self.largest
+        self.largest = max(self.largest, size)
 
 
 def run_mode(args: argparse.Namespace, data_path: Path, packing: bool, device: torch.device) -> dict:
@@ -93,6 +100,7 @@ def run_mode(args: argparse.Namespace, data_path: Path, packing: bool, device: t
     return {"packing": packing, "report": data.packing_report() if packing else None,
             "attention": module.model.config._attn_implementation,
             "batches_per_epoch": len(data.train_dataloader()), "timed_steps": args.steps,
+            "timed_batches_larger_than_any_before": window.larger_batches,
             "real_tokens": real, "tokens": window.tokens, "padding": 1 - real / window.tokens,
             "real_tokens_per_s": real / (timing["step_s_mean"] * args.steps), "tokens_per_s": timing["tokens_per_s"],
             "step_s_mean": timing["step_s_mean"], "step_s_median": timing["step_s_median"],
