@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
 from lightning_slide.data import IGNORE_INDEX, TextDataModule, byte_tokenizer, encode_record, local_examples
@@ -127,21 +128,35 @@ def conversation(i: int) -> list[dict[str, str]]:
             {"role": "assistant", "content": f"{i * i}!"}]
 
 
-def test_train_script_fine_tunes_on_chat_jsonl_and_its_first_loss_is_plain_pytorch_on_the_masked_batch(tmp_path):
-    pretrained = tmp_path / "pretrained"
-    build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(pretrained)
-    chat_tokenizer().save_pretrained(pretrained)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(12)))
-    overrides = [f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}", "data.batch_size=4",
-                 "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
-                 "data.packing=false"]
+def chat_model_folder(tmp_path: Path) -> Path:
+    """A one-block tiny model saved with the chat tokenizer: a model.pretrained folder."""
+    folder = tmp_path / "pretrained"
+    build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def chat_jsonl(path: Path, count: int) -> Path:
+    """A JSONL file of `count` conversations."""
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(count)))
+    return path
+
+
+def run_train_script(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, float]:
+    """train.py with these overrides, writing into run_dir: its config and its first logged training loss."""
     train = runpy.run_path(str(ROOT / "train.py"))["train"]  # also registers the config nodes train.yaml uses
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    train(cfg, tmp_path / "run")
-    rows = csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open())
-    first_loss = next(float(row["train/loss"]) for row in rows if row.get("train/loss"))
+    train(cfg, run_dir)
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    return cfg, next(float(row["train/loss"]) for row in rows if row.get("train/loss"))
+
+
+def test_train_script_fine_tunes_on_chat_jsonl_and_its_first_loss_is_plain_pytorch_on_the_masked_batch(tmp_path):
+    pretrained, data = chat_model_folder(tmp_path), chat_jsonl(tmp_path / "chat.jsonl", 12)
+    cfg, first_loss = run_train_script(tmp_path / "run", [
+        f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}", "data.batch_size=4", "trainer.max_steps=2",
+        "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "data.packing=false"])
 
     datamodule = TextDataModule(chat_tokenizer(), str(data), seq_len=cfg.data.seq_len, batch_size=4, seed=cfg.seed,
                                 packing=False)

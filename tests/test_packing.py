@@ -2,17 +2,14 @@
 under the sliding strategy is Lightning's own training with torch's AdamW."""
 
 import copy
-import csv
 import json
 import random
 import re
-import runpy
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lightning_slide import SlideStrategy
@@ -21,7 +18,7 @@ from lightning_slide.lm import CausalLMModule
 from lightning_slide.models import build_model, model_config
 from lightning_slide.packing import model_inputs, non_padding_tokens, pack, packed_row, pad_rows
 from tests.runtime.helpers import relative_difference, trainer
-from tests.test_chat_data import chat_tokenizer, conversation
+from tests.test_chat_data import chat_jsonl, chat_model_folder, chat_tokenizer, run_train_script
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
@@ -202,19 +199,10 @@ def test_sliding_training_on_packed_batches_matches_lightnings_single_device_ada
 
 
 def test_train_script_packs_chat_records_and_its_first_loss_is_each_examples_own(tmp_path):
-    pretrained = tmp_path / "pretrained"
-    build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(pretrained)
-    chat_tokenizer().save_pretrained(pretrained)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(24)))
-    overrides = [f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}", "data.batch_size=2",
-                 "data.seq_len=400", "trainer.max_steps=1", "trainer.log_every_n_steps=1", "checkpoint=null"]
-    train = runpy.run_path(str(ROOT / "train.py"))["train"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    train(cfg, tmp_path / "run")
-    rows = csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open())
-    first_loss = next(float(row["train/loss"]) for row in rows if row.get("train/loss"))
+    pretrained, data = chat_model_folder(tmp_path), chat_jsonl(tmp_path / "chat.jsonl", 24)
+    cfg, first_loss = run_train_script(tmp_path / "run", [
+        f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}", "data.batch_size=2", "data.seq_len=400",
+        "trainer.max_steps=1", "trainer.log_every_n_steps=1", "checkpoint=null"])
 
     datamodule = TextDataModule(chat_tokenizer(), str(data), seq_len=400, batch_size=2, seed=cfg.seed)
     datamodule.setup("fit")
