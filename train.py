@@ -52,7 +52,8 @@ def resolve_precision(precision: str) -> str:
 
 
 #: What a setting that a config group leaves open (`???` in its yaml) needs, said the way a user sets it.
-REQUIRED = {"data.path": "data=jsonl needs data.path=/path/to/train.jsonl (one JSON object per line)"}
+REQUIRED = {"data.path": "data=jsonl needs data.path=/path/to/train.jsonl (one JSON object per line), a datasets "
+                          "save_to_disk folder, or parquet/arrow files"}
 
 
 def check_required(cfg: DictConfig) -> None:

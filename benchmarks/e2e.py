@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               "micro_batch": args.batch_size, "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib,
               "steps": args.steps, "crash_and_resume": args.crash, "runs": runs, "reload": reload,
               "resume": resume_gaps(*runs) if args.crash else None,
-              "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": _machine()}
+              "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": machine()}
     (args.out / f"e2e-{args.model}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["rc"] == 0 for r in finished) and "error" not in reload else 1
 
 
-def _machine() -> dict:
+def machine() -> dict:
+    """The GPU, CPU, cores, RAM, torch and Python of this machine, for a result record."""
     import platform
 
     import psutil

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from transformers import PreTrainedTokenizerBase
 
 from lightning_slide.export import DEFAULT_MAX_SHARD_SIZE, check_settings, export_dtype, save_hf_folder, shard_bytes
+from lightning_slide.packing import non_padding_tokens
 
 GIB = 2**30
 
@@ -24,7 +25,8 @@ def peak_rss_bytes() -> int:
 
 
 class ThroughputMemoryMonitor(Callback):
-    """Logs tokens/s (non-padding tokens over wall time), peak host RSS and, on CUDA, peak VRAM.
+    """Logs tokens/s (non-padding tokens over wall time, padded or packed batches), peak host RSS and, on CUDA,
+    peak VRAM.
 
     The rate is measured over windows of `window` batches (default: the trainer's log_every_n_steps) so the
     token count is read from the device once per window, not once per step; validation time is left out.
@@ -43,7 +45,7 @@ class ThroughputMemoryMonitor(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object,
                            batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._tokens = self._tokens + batch["attention_mask"].sum()
+        self._tokens = self._tokens + non_padding_tokens(batch)
         self._batches += 1
         if self._batches == self.window:
             self._metrics = {"tokens/s": float(self._tokens) / (time.perf_counter() - self._t0)}

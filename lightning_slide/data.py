@@ -1,8 +1,9 @@
-"""Training data: a built-in corpus that needs no download, and JSONL files of text, prompt/response or chat records.
+"""Training data: a built-in corpus that needs no download, and local records of text, prompt/response or chat.
 
-Every example is a dict of token lists with `labels` (-100 where no loss is taken: prompts and padding),
-so the module computes one kind of loss whatever the source. Each record's keys decide its format, so one file may
-mix them.
+Records come from a JSONL file or a local Hugging Face dataset (`sources.py`). Every example is a dict of token
+lists with `labels` (-100 where no loss is taken: prompts and padding), so the module computes one kind of loss
+whatever the source. Each record's keys decide its format, so one source may mix them. Examples of records are
+packed into full rows by default (`packing.py`); the built-in corpus is cut into full windows already.
 """
 
 from __future__ import annotations
@@ -10,19 +11,27 @@ from __future__ import annotations
 import importlib
 import inspect
 import itertools
-import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.utils.data import DataLoader, Dataset, Sampler, random_split
-from transformers import AutoTokenizer, DataCollatorForSeq2Seq, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
-from lightning_slide.chat import IGNORE_INDEX, chat_record_problem, encode_chat
+from lightning_slide.chat import IGNORE_INDEX, encode_chat
+from lightning_slide.packing import PackedRows, batch_padding, pad_rows
+from lightning_slide.sources import read_records
 
 #: Standard-library modules whose source is the built-in corpus: present in every Python install, so the
 #: demo trains offline. Python code is regular enough that a tiny model's loss falls within a minute.
@@ -64,43 +73,6 @@ def builtin_examples(tokenizer: PreTrainedTokenizerBase, seq_len: int) -> list[d
     return [{"input_ids": w, "attention_mask": [1] * seq_len, "labels": w} for w in windows]
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file, each {"text"}, {"prompt", "response"} or {"messages"}; errors name the file and line."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path={str(path)!r} does not exist. Point data.path at a JSONL file.")
-    records = []
-    with path.open(encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if line.strip():
-                records.append(_parse_record(line, f"{path}:{lineno}"))
-    if not records:
-        raise ValueError(f"{path} holds no records. Write one JSON object per line, "
-                         'e.g. {"text": "..."}, {"prompt": "...", "response": "..."} or '
-                         '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}.')
-    return records
-
-
-def _parse_record(line: str, where: str) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}). "
-                         "Each line must be one JSON object.") from None
-    if isinstance(record, dict) and (
-        isinstance(record.get("text"), str) or all(isinstance(record.get(k), str) for k in ("prompt", "response"))
-    ):
-        return record
-    if isinstance(record, dict) and "messages" in record:
-        problem = chat_record_problem(record["messages"])
-        if problem is None:
-            return record
-        raise ValueError(f"{where}: a chat record's {problem}.")
-    found = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-    raise ValueError(f'{where}: a record needs a string "text", string "prompt" and "response", or a list of '
-                     f'"messages"; this one has {found}.')
-
-
 def encode_record(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> dict[str, list[int]]:
     """Tokens of one record, cut to `seq_len`, with loss on the text, the response or the assistant turns only."""
     if "messages" in record and not isinstance(record.get("text"), str):
@@ -116,10 +88,11 @@ def encode_record(record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, se
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
-def jsonl_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> list[dict[str, list[int]]]:
-    """Encoded records of a JSONL file, skipping (with a warning) those whose response or assistant turns lie
-    past `seq_len`."""
-    encoded = [encode_record(r, tokenizer, seq_len) for r in read_jsonl(path)]
+def local_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                   columns: Mapping[str, str | None] | None = None) -> list[dict[str, list[int]]]:
+    """Encoded records of `data.path`, skipping (with a warning) those whose response or assistant turns lie
+    past `seq_len` (every example kept has a trained token after its first, so at least two tokens)."""
+    encoded = [encode_record(r, tokenizer, seq_len) for r in read_records(path, columns)]
     examples = [e for e in encoded if any(label != IGNORE_INDEX for label in e["labels"][1:])]
     if len(examples) < len(encoded):
         warnings.warn(f"{len(encoded) - len(examples)} record(s) of {path} have no response or assistant token "
@@ -128,9 +101,14 @@ def jsonl_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_len
 
 
 class TextDataModule(L.LightningDataModule):
-    """Batches for causal-LM fine-tuning: the built-in corpus (`path=None`) or a JSONL file.
+    """Batches for causal-LM fine-tuning: the built-in corpus (`path=None`) or local records (`sources.py`).
 
-    A seeded random `val_fraction` of the examples (at least one) is held out for validation.
+    A seeded random `val_fraction` of the examples (at least one) is held out for validation. With `packing`
+    (the default) the examples of records are packed into rows of up to `seq_len` tokens, training and validation
+    apart; a batch then holds `input_ids`, `labels` and `position_ids` (no `attention_mask`: see `packing.py`),
+    padded to its longest row. Without it, or for the built-in corpus, a batch holds `input_ids`, `attention_mask`
+    and `labels`, padded to its longest example. `columns` maps record fields to a dataset's own column names
+    (`{"messages": "conversations"}`).
     """
 
     def __init__(
@@ -142,6 +120,8 @@ class TextDataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         num_workers: int = 0,
         seed: int = 0,
+        packing: bool = True,
+        columns: Mapping[str, str | None] | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2 or batch_size < 1 or not 0 < val_fraction < 1:
@@ -150,7 +130,10 @@ class TextDataModule(L.LightningDataModule):
                              "and 0 < data.val_fraction < 1.")
         self.tokenizer, self.path, self.seq_len, self.seed = tokenizer, path, seq_len, seed
         self.batch_size, self.val_fraction, self.num_workers = batch_size, val_fraction, num_workers
-        self.collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+        self.columns = dict(columns or {})
+        self.packing = packing and path is not None  # the built-in corpus is in full windows already
+        self.collate = partial(pad_rows, pad_id=tokenizer.pad_token_id) if self.packing else DataCollatorForSeq2Seq(
+            tokenizer, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
     def setup(self, stage: str) -> None:
         if hasattr(self, "train_set"):
@@ -158,13 +141,25 @@ class TextDataModule(L.LightningDataModule):
         if self.path is None:
             examples = builtin_examples(self.tokenizer, self.seq_len)
         else:
-            examples = jsonl_examples(self.path, self.tokenizer, self.seq_len)
+            examples = local_examples(self.path, self.tokenizer, self.seq_len, self.columns)
         if len(examples) < 2:
             raise ValueError(f"{self.path or 'the built-in corpus'} gives {len(examples)} usable example(s); "
                              "at least 2 are needed (one is held out for validation).")
         n_val = max(1, round(len(examples) * self.val_fraction))
         generator = torch.Generator().manual_seed(self.seed)
         self.train_set, self.val_set = random_split(examples, [len(examples) - n_val, n_val], generator)
+        if self.packing:
+            self.train_set, self.val_set = (PackedRows(split, self.seq_len) for split in (self.train_set, self.val_set))
+            rank_zero_info(self.packing_report())
+
+    def packing_report(self) -> str:
+        """How many rows the training examples took, and the padding of the first epoch's batches unpacked and
+        packed (each batch padded to its longest example or row)."""
+        rows = self.train_set
+        before = first_epoch_padding([len(e["input_ids"]) for e in rows.examples], self.batch_size, self.seed)
+        after = first_epoch_padding(rows.row_lengths, self.batch_size, self.seed)
+        return (f"packing: {len(rows.examples)} examples into {len(rows)} rows of up to {self.seq_len} tokens; "
+                f"padding {before:.1%} -> {after:.1%}")
 
     def train_dataloader(self) -> ResumableDataLoader:
         """Shuffled by (seed, epoch), its position saved in every checkpoint: a resumed run sees the same batches."""
@@ -176,6 +171,12 @@ class TextDataModule(L.LightningDataModule):
     def _loader_settings(self) -> dict[str, Any]:
         return dict(batch_size=self.batch_size, collate_fn=self.collate, num_workers=self.num_workers,
                     persistent_workers=self.num_workers > 0)
+
+
+def first_epoch_padding(lengths: Sequence[int], batch_size: int, seed: int) -> float:
+    """The padding of the first epoch's batches of items of these lengths, each batch padded to its longest, in
+    the order the train loader hands them out."""
+    return batch_padding([lengths[i] for i in EpochShuffleSampler(len(lengths), seed)], batch_size)
 
 
 class EpochShuffleSampler(Sampler[int]):

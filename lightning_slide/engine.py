@@ -33,6 +33,7 @@ from lightning_slide.graphs import GraphBudget
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
 from lightning_slide.moments import Moments, disk_units, unit_file
+from lightning_slide.norm import GlobalNorm
 from lightning_slide.parts import Binding, Call, Part, PartFunction, run_part
 from lightning_slide.step_mode import StepMode
 from lightning_slide.storage import UnitStorage
@@ -88,6 +89,7 @@ class SlideEngine:
     # ----------------------------------------------------------------------------------------- setup
     def _setup_mode(self, mode: StepMode) -> None:
         self.mode, self.clip_norm, self._clip_once = mode, mode.clip_norm, None
+        self._measured_norm: GlobalNorm | None = None  # the next step's norm, measured when the clip was asked for
         self.deferred = mode.deferred
 
     def _setup_model(self, root: nn.Module, optimizer: Optimizer | None) -> None:
@@ -300,17 +302,34 @@ class SlideEngine:
                 self._reopen_adaptation()
             self._step_tokens = max(self._step_tokens, tokens)
 
-    def clip_next(self, max_norm: float) -> None:
+    def clip_next(self, max_norm: float, measure: bool = False) -> float | None:
         """Clip the next step's gradients to this global norm (manual optimization's `clip_gradients`, which
-        comes after the backward and before the step it is for; manual optimization always defers updates)."""
+        comes after the backward and before the step it is for; manual optimization always defers updates).
+
+        With `measure`, return that norm now (before clipping, as torch's `clip_grad_norm_` returns it): this waits
+        for the gradients in flight to land in their host sums and measures the sums, which the step would do
+        anyway; the step then clips by this measure. A backward after it makes the step measure afresh.
+        """
         self._clip_once = max_norm
+        if not measure:
+            return None
+        self.wait_drain_s += self._drain()
+        book = self.grads.book
+        self._measured_norm = GlobalNorm(max_norm)
+        for unit in sorted(book.stepped):
+            self._measured_norm.add(book.holding[unit])
+        book.norms_measured = True  # until a backward adds to the sums
+        return math.sqrt(self._measured_norm.host)
 
     def begin_step(self) -> None:
         """The next backward ends an accumulation window: freeze this step's hyperparameters now."""
         self.failure.check()
         self._check_trainable()
         clip, self._clip_once = self._clip_once or self.clip_norm, None
-        self.grads.book.plan = snapshot(self.optimizer, self._step + 1, clip)
+        measured, self._measured_norm = self._measured_norm, None
+        plan = self.grads.book.plan = snapshot(self.optimizer, self._step + 1, clip)
+        if measured is not None and self.grads.book.norms_measured:
+            plan.norm = measured
         if not self.deferred and not self._reads_planned:  # the order this step's backward hands units over
             self.moments.plan(self.grads.update_order)
             self._reads_planned = True

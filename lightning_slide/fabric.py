@@ -3,7 +3,8 @@
 Fabric loops look like plain PyTorch: `fabric.backward(loss)` comes before the loop decides whether this is
 the step's last micro-batch, so the engine runs as under the Trainer's manual optimization
 (`StepMode(manual=True)`): every backward adds its gradients into fp32 sums on the host, and
-`optimizer.step()` clips (if `fabric.clip_gradients` asked for it) and updates every unit on the CPU.
+`optimizer.step()` clips (if `fabric.clip_gradients` asked for it; that call returns the global norm) and updates
+every unit on the CPU.
 Gradient accumulation therefore needs nothing but several backwards before a step
 (`fabric.no_backward_sync` is a no-op on one device, as for Fabric's own single-device strategy).
 
@@ -249,16 +250,22 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         max_norm: float | int,
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
-    ) -> None:
-        """Clip the next `optimizer.step()` by the global L2 norm of its gradients (all of them, every unit).
+    ) -> torch.Tensor:
+        """Clip the next `optimizer.step()` by the global L2 norm of its gradients (all of them, every unit), and
+        return that norm before clipping, as torch's `clip_grad_norm_` does (a CPU tensor).
 
-        The gradients sit in the engine's host sums, not in `param.grad`: the norm is measured when the step
-        runs, so this returns None rather than the norm.
+        The gradients sit in the engine's fp32 host sums, not in `param.grad`: the call waits until the last
+        backward's gradients have landed there and measures them, which the step would otherwise do itself (it
+        reuses this measure), so returning the norm costs no extra work, only that wait comes before the step.
         """
         self._check_optimizer(optimizer)
         if float(norm_type) != 2.0:
             raise ValueError(f"slideformer clips by the global L2 norm only: use norm_type=2 (got {norm_type}).")
-        self.engine.clip_next(float(max_norm))
+        norm = torch.tensor(self.engine.clip_next(float(max_norm), measure=True))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The global gradient norm is {float(norm)}, so it cannot be clipped. Pass "
+                               "error_if_nonfinite=False to fabric.clip_gradients to step anyway (unclipped).")
+        return norm
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         raise ValueError("slideformer clips by the global gradient norm only: use "

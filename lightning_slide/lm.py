@@ -16,6 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from transformers import PreTrainedModel, get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_slide.data import IGNORE_INDEX
+from lightning_slide.packing import model_inputs
 
 # No argument validation: it would look at every target on the host, a device sync per step.
 _ACC = dict(average="micro", ignore_index=IGNORE_INDEX, validate_args=False)
@@ -32,7 +33,8 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
 
 class CausalLMModule(L.LightningModule):
-    """Full-parameter fine-tuning of a Hugging Face causal LM (batches with input_ids, attention_mask, labels)."""
+    """Full-parameter fine-tuning of a Hugging Face causal LM: batches of input_ids, labels and either the
+    attention_mask of padded rows or the position_ids of packed ones (`packing.py`)."""
 
     def __init__(
         self,
@@ -77,7 +79,7 @@ class CausalLMModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(states["cuda"])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out = self.model(**model_inputs(batch, self.model), labels=batch["labels"])
         self.log("train/loss", out.loss, prog_bar=True)
         self.log("lr", self.lr_schedulers().get_last_lr()[0])
         if out.logits is not None:  # None when a fused linear-cross-entropy kernel computed the loss
@@ -100,7 +102,7 @@ class CausalLMModule(L.LightningModule):
     def _logit_slices(self, batch: dict[str, torch.Tensor], rows: int) -> Iterator[tuple[int, torch.Tensor]]:
         """(first token, logits) of `rows` next-token predictions at a time; a model that is not a Hugging Face
         causal LM (no decoder / output head to call apart) gives its whole logits as one slice."""
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        inputs = model_inputs(batch, self.model)
         if not (hasattr(self.model, "get_decoder") and hasattr(self.model, "get_output_embeddings")):
             yield 0, self.model(**inputs).logits[:, :-1].flatten(0, 1)
             return

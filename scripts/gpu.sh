@@ -14,6 +14,8 @@
 #   bash scripts/gpu.sh crash   the whole crash cycle at 1B: the run uninterrupted, then checkpoint, SIGKILL,
 #                                       resume, export and reload, the resumed losses beside the uninterrupted ones
 #                                                                                   -> results/e2e/
+#   bash scripts/gpu.sh packing  packed against padded SFT batches at 1B, seq 2048 (benchmarks/packing.py;
+#                                       MODEL= another architecture)                -> results/packing/
 # Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
 # installed into /tmp/site first.
 set -uo pipefail
@@ -64,6 +66,10 @@ case "${1:-check}" in
   crash)
     python3 -m benchmarks.e2e --model llama3_1b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 420 \
       --commit "$COMMIT" 2>&1 | tail -3
+    ;;
+  packing)
+    timeout 300 python3 -m benchmarks.packing --model "${MODEL:-llama3_1b}" --out "$OUT" --commit "$COMMIT" 2>&1 \
+      | tail -60 > "$OUT/packing.log"; tail -20 "$OUT/packing.log"
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"

@@ -257,3 +257,17 @@ def test_a_clipped_case_trains_with_the_trainers_gradient_clipping(monkeypatch) 
     assert lit.run_lightning(case, torch.device("cpu"))["tokens_per_s"] > 0 and clips == [1.0]
     with pytest.raises(ValueError, match="clip applies to the Lightning systems"):
         make("plain", "tiny", 4, seq_len=64, cap_gib=None, device="cpu", clip=1.0)
+
+
+def test_the_packing_benchmark_trains_both_modes_and_packing_pads_less(tmp_path) -> None:
+    from benchmarks import packing
+
+    record = packing.main(["--model", "tiny", "--seq-len", "64", "--batch-size", "2", "--examples", "80",
+                           "--median", "20", "--warmup", "1", "--steps", "2", "--work", str(tmp_path / "work"),
+                           "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "packing-tiny.json").read_text())
+    assert saved["real_tokens_per_s_ratio"] == record["real_tokens_per_s_ratio"] > 0
+    padded, packed = saved["padding"], saved["packing"]
+    assert packed["padding"] < padded["padding"] and packed["real_tokens"] > padded["real_tokens"]
+    assert packed["report"].startswith("packing: ") and padded["report"] is None
+    assert {"command", "commit", "date", "machine", "model_config", "vram_cap_gib"} <= set(saved)

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
-from lightning_slide.data import IGNORE_INDEX, TextDataModule, byte_tokenizer, encode_record, jsonl_examples
+from lightning_slide.data import IGNORE_INDEX, TextDataModule, byte_tokenizer, encode_record, local_examples
 from lightning_slide.models import build_model, model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def test_a_tokenizer_without_chat_template_is_refused_naming_the_settings(tmp_pa
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
     with pytest.raises(ValueError, match=r'model\.pretrained at a folder whose tokenizer has a chat template.*prompt'):
-        jsonl_examples(path, chat_tokenizer(None), seq_len=64)
+        local_examples(path, chat_tokenizer(None), seq_len=64)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
@@ -95,7 +96,7 @@ def test_a_conversation_with_no_assistant_token_within_seq_len_is_skipped_with_a
     long = [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]
     path.write_text(json.dumps({"messages": long}) + "\n" + json.dumps({"messages": CONVERSATION}) + "\n")
     with pytest.warns(UserWarning, match=r"1 record\(s\) .* no response or assistant token within data\.seq_len=128"):
-        examples = jsonl_examples(path, chat_tokenizer(), seq_len=128)
+        examples = local_examples(path, chat_tokenizer(), seq_len=128)
     assert len(examples) == 1
 
 
@@ -104,8 +105,8 @@ def test_one_file_may_mix_chat_prompt_response_and_text_records(tmp_path):
     records = [{"messages": CONVERSATION}, {"prompt": "Q? ", "response": "A."}, {"text": "plain text"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     tokenizer = chat_tokenizer()
-    assert jsonl_examples(path, tokenizer, seq_len=1000) == [encode_record(r, tokenizer, 1000) for r in records]
-    assert jsonl_examples(path, tokenizer, seq_len=1000)[0]["labels"] == expected_labels(CONVERSATION)[1]
+    assert local_examples(path, tokenizer, seq_len=1000) == [encode_record(r, tokenizer, 1000) for r in records]
+    assert local_examples(path, tokenizer, seq_len=1000)[0]["labels"] == expected_labels(CONVERSATION)[1]
 
 
 @pytest.mark.parametrize("messages, problem", [
@@ -118,7 +119,7 @@ def test_a_malformed_chat_record_names_its_line(messages, problem, tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n\n" + json.dumps({"messages": messages}) + "\n")
     with pytest.raises(ValueError, match=rf"chat\.jsonl:3: a chat record's .*{problem}"):
-        jsonl_examples(path, chat_tokenizer(), seq_len=64)
+        local_examples(path, chat_tokenizer(), seq_len=64)
 
 
 def conversation(i: int) -> list[dict[str, str]]:
@@ -127,22 +128,38 @@ def conversation(i: int) -> list[dict[str, str]]:
             {"role": "assistant", "content": f"{i * i}!"}]
 
 
-def test_train_script_fine_tunes_on_chat_jsonl_and_its_first_loss_is_plain_pytorch_on_the_masked_batch(tmp_path):
-    pretrained = tmp_path / "pretrained"
-    build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(pretrained)
-    chat_tokenizer().save_pretrained(pretrained)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(12)))
-    overrides = [f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}", "data.batch_size=4",
-                 "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1"]
+def chat_model_folder(tmp_path: Path) -> Path:
+    """A one-block tiny model saved with the chat tokenizer: a model.pretrained folder."""
+    folder = tmp_path / "pretrained"
+    build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def chat_jsonl(path: Path, count: int) -> Path:
+    """A JSONL file of `count` conversations."""
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(count)))
+    return path
+
+
+def run_train_script(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, float]:
+    """train.py with these overrides, writing into run_dir: its config and its first logged training loss."""
     train = runpy.run_path(str(ROOT / "train.py"))["train"]  # also registers the config nodes train.yaml uses
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    train(cfg, tmp_path / "run")
-    rows = csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open())
-    first_loss = next(float(row["train/loss"]) for row in rows if row.get("train/loss"))
+    train(cfg, run_dir)
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    return cfg, next(float(row["train/loss"]) for row in rows if row.get("train/loss"))
 
-    datamodule = TextDataModule(chat_tokenizer(), str(data), seq_len=cfg.data.seq_len, batch_size=4, seed=cfg.seed)
+
+def test_train_script_fine_tunes_on_chat_jsonl_and_its_first_loss_is_plain_pytorch_on_the_masked_batch(tmp_path):
+    pretrained, data = chat_model_folder(tmp_path), chat_jsonl(tmp_path / "chat.jsonl", 12)
+    cfg, first_loss = run_train_script(tmp_path / "run", [
+        f"model.pretrained={pretrained}", "data=jsonl", f"data.path={data}", "data.batch_size=4", "trainer.max_steps=2",
+        "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "data.packing=false"])
+
+    datamodule = TextDataModule(chat_tokenizer(), str(data), seq_len=cfg.data.seq_len, batch_size=4, seed=cfg.seed,
+                                packing=False)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))  # the batch the run trained on first (epoch 0, same seed)
     by_ids = {tuple(ids): labels for ids, labels in (expected_labels(conversation(i)) for i in range(12))}

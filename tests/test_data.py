@@ -12,9 +12,9 @@ from lightning_slide.data import (
     builtin_examples,
     byte_tokenizer,
     encode_record,
-    read_jsonl,
 )
 from lightning_slide.models import model_config
+from lightning_slide.sources import read_records
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_batches_pad_with_masked_positions(tmp_path, tokenizer):
     records = [{"prompt": random_text(random.randint(3, 30)), "response": random_text(random.randint(3, 30))}
                for _ in range(8)]
     data = TextDataModule(tokenizer, path=str(write_jsonl(tmp_path / "d.jsonl", records)), batch_size=8,
-                          val_fraction=0.2)
+                          val_fraction=0.2, packing=False)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     padding = batch["attention_mask"] == 0
@@ -83,7 +83,7 @@ def test_validation_split_is_held_out_and_seeded(tmp_path, tokenizer):
     path = str(write_jsonl(tmp_path / "d.jsonl", [{"text": f"record {i}"} for i in range(20)]))
     splits = []
     for _ in range(2):
-        data = TextDataModule(tokenizer, path=path, val_fraction=0.1, seed=3)
+        data = TextDataModule(tokenizer, path=path, val_fraction=0.1, seed=3, packing=False)
         data.setup("fit")
         splits.append(sorted(data.val_set.indices))
     assert len(splits[0]) == 2 and splits[0] == splits[1]
@@ -93,29 +93,30 @@ def test_validation_split_is_held_out_and_seeded(tmp_path, tokenizer):
 def test_bad_json_line_is_named_by_line_number(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "", '{"text": "broken'])
     with pytest.raises(ValueError, match=r"d\.jsonl:3: not valid JSON"):
-        read_jsonl(path)
+        read_records(path)
 
 
 def test_record_without_known_keys_names_its_keys(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, {"prompt": "only a prompt"}])
     with pytest.raises(ValueError, match=r"d\.jsonl:2: .*\"prompt\" and \"response\".*\['prompt'\]"):
-        read_jsonl(path)
+        read_records(path)
 
 
 def test_empty_file_says_what_a_record_looks_like(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [""])
     with pytest.raises(ValueError, match="holds no records.*prompt"):
-        read_jsonl(path)
+        read_records(path)
 
 
 def test_missing_file_names_the_setting(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path="):
-        read_jsonl(tmp_path / "absent.jsonl")
+        read_records(tmp_path / "absent.jsonl")
 
 
 def test_record_with_response_past_seq_len_is_skipped_with_warning(tmp_path, tokenizer):
     records = [{"prompt": random_text(100), "response": "late"}] + [{"text": random_text(10)} for _ in range(3)]
-    data = TextDataModule(tokenizer, path=str(write_jsonl(tmp_path / "d.jsonl", records)), seq_len=32)
+    data = TextDataModule(tokenizer, path=str(write_jsonl(tmp_path / "d.jsonl", records)), seq_len=32,
+                          packing=False)
     with pytest.warns(UserWarning, match="1 record.*raise data.seq_len"):
         data.setup("fit")
     assert len(data.train_set) + len(data.val_set) == 3

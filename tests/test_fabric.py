@@ -28,6 +28,7 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
         self.model, self.optimizer = self.fabric.setup(model, optimizer)
         self.losses: list[float] = []
+        self.norms: list[float] = []  # what fabric.clip_gradients returned
 
     def train(self, batches: list[torch.Tensor], accumulate: int = 1, clip: float | None = None) -> Run:
         for start in range(0, len(batches), accumulate):
@@ -38,7 +39,7 @@ class Run:
                     self.fabric.backward(loss / accumulate)
                 self.losses.append(float(loss.detach()))
             if clip is not None:
-                self.fabric.clip_gradients(self.model, self.optimizer, max_norm=clip)
+                self.norms.append(float(self.fabric.clip_gradients(self.model, self.optimizer, max_norm=clip)))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad()
@@ -69,6 +70,29 @@ def test_steps_match_fabrics_single_device_adamw(arch, strategy, clip):
     expected = trained(model, "auto", batches, clip=clip)
     got = trained(model, strategy, batches, clip=clip)
     assert relative_difference(expected, got) <= 1e-6
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clip_gradients_returns_the_global_norm_before_clipping_as_fabric_does(accumulate):
+    model, batches = tiny_model("llama"), token_batches(STEPS * accumulate)
+    expected = Run(copy.deepcopy(model), "auto").train(batches, accumulate=accumulate, clip=0.05)
+    got = Run(copy.deepcopy(model), "slideformer").train(batches, accumulate=accumulate, clip=0.05)
+    assert len(got.norms) == STEPS and got.norms == pytest.approx(expected.norms, rel=1e-5)
+    assert relative_difference(expected.close(), got.close()) <= 1e-6
+
+
+def test_a_backward_after_clip_gradients_makes_the_step_clip_by_the_norm_of_all_its_gradients():
+    """The norm measured by clip_gradients no longer holds once another backward adds to the sums: the step then
+    clips as Fabric does when both backwards come before clip_gradients."""
+    model, (first, second) = tiny_model("llama"), token_batches(2)
+    expected, got = Run(copy.deepcopy(model), "auto"), Run(copy.deepcopy(model), "slideformer")
+    for run, clip_after in ((expected, 2), (got, 1)):
+        for i, x in enumerate((first, second), start=1):
+            run.fabric.backward(run.model(input_ids=x, labels=x).loss)
+            if i == clip_after:
+                run.fabric.clip_gradients(run.model, run.optimizer, max_norm=0.05)
+        run.optimizer.step()
+    assert relative_difference(expected.close(), got.close()) <= 1e-6
 
 
 def test_accumulation_over_two_micro_batches_with_no_backward_sync_matches_fabric():
