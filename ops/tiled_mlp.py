@@ -63,6 +63,11 @@ def tile_for(setting: TileSetting, tokens: int, intermediate: int, itemsize: int
     return -(-tokens // tiles)
 
 
+def tile_bytes(tile: int, intermediate: int, itemsize: int) -> int:
+    """The transient memory of a tiled MLP's backward: TILE_TENSORS tile x intermediate buffers."""
+    return TILE_TENSORS * tile * intermediate * itemsize
+
+
 def check_tile_setting(setting: object, name: str = "mlp_tile_tokens") -> None:
     """A tile setting is None, "auto" or a positive int; anything else is named."""
     if not (setting is None or setting == "auto" or (type(setting) is int and setting > 0)):

@@ -273,7 +273,7 @@ def test_recompute_never_plans_every_blocks_graph_and_names_recompute_when_it_ca
     setup = Setup(SlideConfig(recompute="never"))
     plan = Plan.estimate(shape, setup, micro_batch=8, seq_len=1024)
     kept = next(e for e in plan.entries if e.what.startswith("kept graphs of 32 blocks"))
-    assert kept.bytes == 32 * 8 * 1024 * planner._block_graph_per_token(shape, setup)
+    assert kept.bytes == 32 * 8 * 1024 * planner._block_graph_per_token(shape, setup, 8 * 1024)
     default = Plan.estimate(shape, Setup(SlideConfig()), 8, 1024)
     assert not any(e.what.startswith("kept graphs") for e in default.entries)
     with pytest.raises(PlanError, match="recompute='auto'"):
