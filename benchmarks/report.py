@@ -157,9 +157,10 @@ def ladders_md(records: list[dict]) -> str:
             continue
         best = max(ladder["passed"], key=lambda rung: rung["size"], default={})
         rows.append([r["case"], r["system"], tier_label(r), ladder["grow"], best.get("size"), best.get("tokens"),
-                     best.get("step_s"), best.get("peak_vram_alloc_gib"), best.get("rss_gib"), _ending(ladder)])
-    header = ["ladder", "system", "tier", "grows", "largest that ran", "tokens", "step s", "VRAM alloc GiB",
-              "RSS GiB", "then"]
+                     best.get("step_s"), best.get("tokens_per_s"), best.get("tflops_full"),
+                     best.get("peak_vram_alloc_gib"), best.get("rss_gib"), best.get("disk_gib"), _ending(ladder)])
+    header = ["ladder", "system", "tier", "grows", "largest that ran", "tokens", "step s", "tok/s", "TFLOP/s full",
+              "VRAM alloc GiB", "RSS GiB", "disk GiB", "then"]
     return _table(header, rows) if rows else ""
 
 
