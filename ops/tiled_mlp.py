@@ -59,7 +59,7 @@ def tile_for(setting: TileSetting, tokens: int, intermediate: int, itemsize: int
     row = intermediate * itemsize
     if tokens * row <= UNTILED_MIB * MiB:
         return None
-    tiles = -(-tokens // max(1, TILE_MIB * MiB // row))
+    tiles = -(-tokens // max(1, int(TILE_MIB * MiB // row)))
     return -(-tokens // tiles)
 
 
