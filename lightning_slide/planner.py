@@ -406,33 +406,28 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     (`graphs.head_workspace`)."""
     tile = _mlp_tile(shape, setup, tokens)
     block = block_workspace_bytes(tokens, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
-                                  shape.intermediate, setup.compute_bytes, _kernels(setup),
-                                  None if tile is None else _tile_bytes(tile, shape, setup))
+                                  shape.intermediate, setup.compute_bytes, _kernels(setup), tile and tile[1])
     block += Slot.bytes_for(max((u.numel for u in shape.units if not u.dedicated), default=0), setup.dtype)
     head = head_workspace(tokens, shape.hidden, shape.vocab, setup.compute_bytes,
                           int(setup.config.loss_chunk_mib * 2**20) if _kernels(setup) else None)
     return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),
-                 "a smaller micro_batch or seq_len" + _tiling_remedy(setup, tile))
+                 "a smaller micro_batch or seq_len" + _tiling_remedy(setup, tile and tile[0]))
 
 
 def _kernels(setup: Setup) -> bool:
     return setup.cuda and setup.config.use_kernels
 
 
-def _mlp_tile(shape: ModelShape, setup: Setup, tokens: int) -> int | None:
-    """Tokens per MLP tile of a micro-batch of `tokens`, as the engine's patched MLPs will choose, or None."""
+def _mlp_tile(shape: ModelShape, setup: Setup, tokens: int) -> tuple[int, int] | None:
+    """Tokens per MLP tile of a micro-batch of `tokens`, as the engine's patched MLPs will choose, and the tile's
+    buffers in bytes; None: untiled."""
     setting = setup.config.mlp_tiling(setup.device)
     if setting is None:
         return None
-    from lightning_slide.ops.tiled_mlp import tile_for  # imports triton: only where MLPs are tiled
+    from lightning_slide.ops.tiled_mlp import tile_bytes, tile_for  # imports triton: only where MLPs are tiled
 
-    return tile_for(setting, tokens, shape.intermediate, setup.compute_bytes)
-
-
-def _tile_bytes(tile: int, shape: ModelShape, setup: Setup) -> int:
-    from lightning_slide.ops.tiled_mlp import tile_bytes
-
-    return tile_bytes(tile, shape.intermediate, setup.compute_bytes)
+    tile = tile_for(setting, tokens, shape.intermediate, setup.compute_bytes)
+    return None if tile is None else (tile, tile_bytes(tile, shape.intermediate, setup.compute_bytes))
 
 
 def _tiling_remedy(setup: Setup, tile: int | None) -> str:
