@@ -59,7 +59,7 @@ class _TiledMLP:
     prefix = "Tiled"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.numel() // x.shape[-1] if x.dim() else 0
+        tokens = x.numel() // x.shape[-1]
         tile = tile_for(self.mlp_tile_tokens, tokens, self.gate_proj.out_features, compute_itemsize(x))
         if tile is None:
             return super().forward(x)
