@@ -164,6 +164,16 @@ def ladders_md(records: list[dict]) -> str:
     return _table(header, rows) if rows else ""
 
 
+def rungs_md(records: list[dict]) -> str:
+    """Every rung that ran, of every ladder: its step, throughput, model TFLOP/s and memory peaks."""
+    rows = [[r["case"], rung["size"], rung["tokens"], rung["step_s"], rung.get("tokens_per_s"), rung.get("tflops_6nt"),
+             rung.get("tflops_full"), rung.get("peak_vram_alloc_gib"), rung.get("rss_gib"), rung.get("disk_gib")]
+            for r in records for rung in (r.get("ladder") or {}).get("passed", [])]
+    header = ["ladder", "rung", "tokens", "step s", "tok/s", "TFLOP/s 6NT", "TFLOP/s full", "VRAM alloc GiB",
+              "RSS GiB", "disk GiB"]
+    return _table(header, rows) if rows else ""
+
+
 def _ending(ladder: dict) -> str:
     """What ended a ladder: its first failure (size, phase, error), the time cap, or the last rung."""
     failure = ladder.get("first_failure")
@@ -205,7 +215,7 @@ def tables_md(records: list[dict]) -> str:
     parts = [probe_md(records), "### Targets", targets_md(records), "### Cases", cases_md(records)]
     ladders = ladders_md(records)
     if ladders:
-        parts += ["### Largest that fits under the cap", ladders]
+        parts += ["### Largest that fits under the cap", ladders, "### Every rung that ran", rungs_md(records)]
     waits = waits_md(records)
     if waits:
         parts += ["### What the training thread waited for (per step)", waits]

@@ -3,11 +3,11 @@
 The engine runs each block three times a step: a forward under no-grad, then in the backward a forward that
 records the graph (the recompute) and the backward through it. This times those three (median of CUDA-event
 timings) for one Llama block of a real shape with the `ops` kernels patched in, at long sequences, with
-`mlp_tile_tokens="auto"` against None (untiled), and measures the peak memory above the block's weights, its
-input and the output gradient (`transient_gib`: what the planner's compute workspace must cover besides the
-weight gradients, which are `weight_grads_gib`), beside the planner's per-token model (`planned_gib`, from
-`lightning_slide.graphs`). One JSON object per case goes to `--out/tiled_block.jsonl`; an out-of-memory case
-is recorded with its error.
+`mlp_tile_tokens="auto"` (tiles of FORCED tokens where "auto" would leave the MLP untiled) against None
+(untiled), and measures the peak memory above the block's weights, its input and the output gradient
+(`transient_gib`: what the planner's compute workspace must cover besides the weight gradients, which are
+`weight_grads_gib`), beside the planner's per-token model (`planned_gib`, from `lightning_slide.graphs`). One
+JSON object per case goes to `--out/tiled_block.jsonl`; an out-of-memory case is recorded with its error.
 
     python -m benchmarks.tiled_block --out DIR                      # H200: about a minute and a half
     python -m benchmarks.tiled_block --out DIR --model llama3_3b --tokens 131072,262144
@@ -26,7 +26,12 @@ from benchmarks.build import hf_config
 from benchmarks.models import MODELS, ModelSpec
 
 GIB = float(2**30)
-TILINGS = {"auto": "auto", "none": None}
+FORCED = 8192  # tokens per tile where "auto" would leave the MLP untiled (at 32,768 tokens)
+
+
+def tilings(spec: ModelSpec, tokens: int) -> list[object]:
+    """The settings compared at a length: "auto" where it tiles, else tiles of FORCED tokens; and untiled."""
+    return ["auto" if _tile(spec, tokens, "auto") else FORCED, None]
 
 
 def _block(spec: ModelSpec, tokens: int, tiling: object):
@@ -66,37 +71,35 @@ def _planned(spec: ModelSpec, tokens: int, tile: int | None) -> float:
     return block_workspace_bytes(tokens, spec.hidden, spec.hidden, kv, spec.intermediate, 2, True, buffers) / GIB
 
 
-def _tile(spec: ModelSpec, tokens: int) -> int | None:
+def _tile(spec: ModelSpec, tokens: int, tiling: object) -> int | None:
     from lightning_slide.ops.tiled_mlp import tile_for
 
-    return tile_for("auto", tokens, spec.intermediate, 2)
+    return tile_for(tiling, tokens, spec.intermediate, 2)
 
 
-def measure(spec: ModelSpec, tokens: int, tiling: str, repeat: int) -> dict:
-    """One case: warm-up, `repeat` timed steps, then one step measured for its peak memory."""
-    block, x, rope = _block(spec, tokens, TILINGS[tiling])
+def measure(spec: ModelSpec, tokens: int, tiling: object, repeat: int) -> dict:
+    """One case: a warm-up step, then `repeat` steps, each timed and measured for its peak memory."""
+    block, x, rope = _block(spec, tokens, tiling)
     dy = torch.randn_like(x)
     weights = sum(p.numel() * p.element_size() for p in block.parameters())
     _step(block, x, rope, dy)  # warm-up: kernels compiled, cuBLAS workspaces made
-    times = []
+    times, transient = [], 0
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         start.record()
         _step(block, x, rope, dy)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    _step(block, x, rope, dy)
-    torch.cuda.synchronize()
+        transient = max(transient, torch.cuda.max_memory_allocated() - base)
     step = statistics.median(times)
-    tile = _tile(spec, tokens) if TILINGS[tiling] else None
+    tile = _tile(spec, tokens, tiling)
     return {"model": spec.label, "tokens": tokens, "tiling": tiling, "tile_tokens": tile, "step_s": step,
-            "tflops": _flops(spec, tokens) / step / 1e12,
-            "transient_gib": (torch.cuda.max_memory_allocated() - base) / GIB, "weight_grads_gib": weights / GIB,
-            "planned_gib": _planned(spec, tokens, tile), "ok": True}
+            "tflops": _flops(spec, tokens) / step / 1e12, "transient_gib": transient / GIB,
+            "weight_grads_gib": weights / GIB, "planned_gib": _planned(spec, tokens, tile), "ok": True}
 
 
 def _flops(spec: ModelSpec, tokens: int) -> float:
@@ -120,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out / "tiled_block.jsonl", "a") as log:
         for name in args.model or ["llama3_8b", "llama3_3b"]:
             for tokens in args.tokens or lengths.get(name, [32768]):
-                for tiling in TILINGS:
+                for tiling in tilings(MODELS[name], tokens):
                     row = _run(MODELS[name], tokens, tiling, args.repeat)
                     print(json.dumps(row), flush=True)
                     log.write(json.dumps(row) + "\n")
     return 0
 
 
-def _run(spec: ModelSpec, tokens: int, tiling: str, repeat: int) -> dict:
+def _run(spec: ModelSpec, tokens: int, tiling: object, repeat: int) -> dict:
     started = time.perf_counter()
     try:
         row = measure(spec, tokens, tiling, repeat)

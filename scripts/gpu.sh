@@ -10,9 +10,9 @@
 #                                                                                   -> results/capacity/
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
 #   bash scripts/gpu.sh long    the tiled MLP's GPU tests, one block tiled and untiled (benchmarks/tiled_block.py:
-#                                       the cost of tiling at 32,768 tokens, memory at 131,072 / 262,144), then the
+#                                       the cost of 8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
 #                                       `long` ladders: 8B at 65,536 and 131,072 tokens, 3B at 131,072 and 262,144
-#                                       (about 6 minutes; 10 if the planner admits 3B at 262,144)  -> results/long/
+#                                       (about 7 minutes; 10 if the planner admits 3B at 262,144)  -> results/long/
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
 # Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
