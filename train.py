@@ -26,7 +26,7 @@ from lightning_slide.checkpoint_io import LinkedLastCheckpoint
 from lightning_slide.config import SlideConfig, omegaconf_schema
 from lightning_slide.data import TextDataModule, load_tokenizer
 from lightning_slide.lm import CausalLMModule
-from lightning_slide.models import MODELS, build_model
+from lightning_slide.models import MODELS, build_model, check_context, load_config, scale_rope
 
 CONF = Path(__file__).resolve().parent / "conf"
 
@@ -148,12 +148,22 @@ def resolve(cfg: DictConfig) -> dict:
     return c
 
 
+def model_config_for(model: dict, seq_len: int) -> object:
+    """The model's HF config with `model.rope_scaling` applied (checking a pretrained folder first), refused when
+    data.seq_len passes its positions: nothing is built or allocated before this."""
+    config = load_config(model["name"], model["pretrained"])
+    if model.get("rope_scaling"):
+        config = scale_rope(config, model["rope_scaling"])
+    check_context(config, seq_len, model["pretrained"] or model["name"])
+    return config
+
+
 def train(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     """One fine-tuning run of the composed config, writing everything under `run_dir`."""
     c = resolve(cfg)
     L.seed_everything(c["seed"])
     sliding = c["offload"]["offload"] != "none"  # the engine fills meta placeholders unit by unit
-    model = build_model(c["model"]["name"], c["model"]["pretrained"], meta=sliding)  # checks the folder first
+    model = build_model(model_config_for(c["model"], c["data"]["seq_len"]), c["model"]["pretrained"], meta=sliding)
     tokenizer = load_tokenizer(c["model"]["pretrained"])
     module = CausalLMModule(model, **c["optim"])
     trainer = make_trainer(

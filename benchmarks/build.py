@@ -17,8 +17,16 @@ INIT_STD = 0.02
 _CHUNK = 1 << 26  # elements drawn per GPU call when filling host tensors (256 MiB of fp32)
 
 
+POSITIONS = 131072  # the positions Llama 3.1/3.2 configs declare (max_position_embeddings)
+
+
 def hf_config(spec: ModelSpec, seq_len: int) -> LlamaConfig:
-    """The HF config of a spec: SDPA attention, no KV cache, positions up to at least seq_len."""
+    """The HF config of a spec: SDPA attention, no KV cache, POSITIONS positions; a longer seq_len gets as many,
+    with RoPE stretched linearly by seq_len / POSITIONS (position interpolation), as training past a model's
+    declared context must."""
+    stretch = seq_len / POSITIONS
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta} if stretch <= 1 else {
+        "rope_type": "linear", "factor": stretch, "rope_theta": spec.rope_theta}
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -27,9 +35,9 @@ def hf_config(spec: ModelSpec, seq_len: int) -> LlamaConfig:
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         head_dim=spec.head_dim,
-        max_position_embeddings=max(131072, seq_len),
+        max_position_embeddings=max(POSITIONS, seq_len),
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        rope_parameters=rope,
         tie_word_embeddings=spec.tied,
         use_cache=False,
     )

@@ -88,7 +88,7 @@ class Case:
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
               "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}",
-              "loss_chunk_mib": "loss-{:g}"}
+              "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -149,7 +149,8 @@ def ladder_rung_s(case: Case, size: int, measured_step_s: float | None = None, a
         return estimate.step_s(case.system, case.model, *case.rung_shape(of), case.settings)
 
     scale = measured_step_s / step(at) if measured_step_s and at is not None and step(at) > 0 else 1.0
-    return case.steps_per_rung * step(size) * scale + estimate.pin_s(case.system, case.model, *case.rung_shape(size))
+    pin = estimate.pin_s(case.system, case.model, *case.rung_shape(size), case.settings)
+    return case.steps_per_rung * step(size) * scale + pin
 
 
 _DS3_8B_HOST_OOM = ("host memory climbs to 122 GiB of 126 during setup and the process is killed before the "
@@ -262,6 +263,37 @@ def _ladders() -> list[Case]:
     ]
 
 
+#: the disk tier for saved inputs only (the Adam moments stay in RAM), staged through pinned RAM
+ACTIVATIONS_ON_DISK: Settings = (("offload", "nvme"), ("nvme_path", NVME_PATH), ("nvme_moments", 0.0),
+                                 ("activations", "nvme"), ("gds", "off"))
+
+
+def _long() -> list[Case]:
+    """The longest single sequences with the MLP over sequence tiles (`mlp_tile_tokens="auto"`), one step a rung.
+
+    8B at 65,536 and 131,072 tokens: its saved inputs (34 x 1 GiB at 131,072) do not fit beside the 92 GiB of
+    fp32 state in 126 GiB of RAM, so they go to the disk tier; two ring slots and two gradient buffers leave
+    0.8 GiB more of the cap to the block's recompute. 3B at 131,072 and 262,144 tokens, saved inputs in pinned
+    RAM (45 GiB at 262,144). Llama-3.2-3B's config declares 131,072 positions: the benchmark config stretches
+    RoPE linearly past that (`benchmarks.build.hf_config`), as a run beyond the declared context must. A rung
+    the planner refuses fails at once with its message, which names the longest sequence that fits.
+    """
+    tiles: Settings = (("mlp_tile_tokens", "auto"),)
+    return [
+        ladder("slide", "llama3_8b", "seq_len", (65536, 131072), time_cap_s=220, steps_per_rung=1,
+               slide_settings=(*ACTIVATIONS_ON_DISK, ("slots", 2), ("block_grad_buffers", 2), *tiles)),
+        ladder("slide", "llama3_3b", "seq_len", (131072, 262144), time_cap_s=360, steps_per_rung=1,
+               slide_settings=tiles),
+    ]
+
+
+def _tiling() -> list[Case]:
+    """What tiling costs end to end: 8B at one 32,768-token sequence with the MLP in tiles of 8,192 tokens and
+    untiled (there "auto" leaves it untiled), three timed steps each."""
+    return [make("slide", "llama3_8b", 1, seq_len=32768, warmup=1, steps=3, profile_steps=0,
+                 slide_settings=(("mlp_tile_tokens", tiles),)) for tiles in (None, 8192)]
+
+
 def _smoke() -> list[Case]:
     """A tiny Llama on the CPU: exercises every code path of the harness in seconds, no GPU needed."""
     cpu = dict(cap_gib=None, device="cpu", warmup=2, steps=10, est_s=30)
@@ -294,6 +326,8 @@ SUITES: dict[str, list[Case]] = {
     # what a load reads from host memory: the pinned fp32 master (default) or a pinned bf16 shadow copy
     "h2d": [make("slide", "llama3_8b", 8), make("slide", "llama3_8b", 8, slide_settings=(("h2d_source", "shadow"),))],
     "ladders": _ladders(),
+    "long": _long(),
+    "tiling": _tiling(),
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])

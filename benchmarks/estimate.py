@@ -6,8 +6,9 @@ CPU Adam) plus its steps. A step costs a floor (the CPU update) and a per-token 
 (the larger of the two) for lightning-slide, added for DeepSpeed, whose update does not overlap compute.
 The per-token cost grows with the attention share at long sequences (the FLOP formula's ratio).
 Lightning-slide also pins host buffers for saved inputs at each new shape (about 1.6 GB/s), and the disk
-tier writes and reads the moments it holds once per step. The runner skips a case whose estimate no
-longer fits a given budget and kills one at 2.5x it, so these err long rather than short.
+tier writes and reads the moments it holds once per step; saved inputs on disk add their writes (a long
+sequence's forward is shorter than them; their reads hide behind the backward). The runner skips a case whose
+estimate no longer fits a given budget and kills one at 2.5x it, so these err long rather than short.
 """
 
 from __future__ import annotations
@@ -50,20 +51,27 @@ def step_s(system: str, model: str, micro_batch: int, seq_len: int, settings: di
     tokens = micro_batch * seq_len
     gpu = per_token * tokens * _attention_factor(model, tokens, seq_len)
     step = max(floor, gpu) if system in ("slide", "ceiling", "plain") else floor + gpu
-    return step + 2.0 * _moment_disk_bytes(model, settings) / (DISK_GBS * 1e9)  # read + write, not overlapped
+    disk = 2.0 * _moment_disk_bytes(model, settings)  # read + write, not overlapped
+    if settings.get("activations") == "nvme" and model in MODELS:
+        disk += _saved_input_bytes(model, tokens)  # written behind a forward shorter than the writes
+    return step + disk / (DISK_GBS * 1e9)
 
 
-def pin_s(system: str, model: str, micro_batch: int, seq_len: int) -> float:
-    """Pinning host buffers for lightning-slide's saved inputs the first time a shape runs."""
+def pin_s(system: str, model: str, micro_batch: int, seq_len: int, settings: dict) -> float:
+    """Pinning host buffers for lightning-slide's saved inputs the first time a shape runs (on disk: only the
+    four staging buffers, one input each)."""
     if system != "slide" or model not in MODELS:
         return 0.0
-    return _saved_input_bytes(model, micro_batch * seq_len) / (PIN_GBS * 1e9)
+    pinned = _saved_input_bytes(model, micro_batch * seq_len)
+    if settings.get("activations") == "nvme":
+        pinned *= 4 / MODELS[model].layers
+    return pinned / (PIN_GBS * 1e9)
 
 
 def case_s(system: str, model: str, micro_batch: int, seq_len: int, steps: int, settings: dict) -> float:
     """A whole case: setup, pinning, moments written to disk once, `steps` steps."""
     moments_out = _moment_disk_bytes(model, settings) / (DISK_GBS * 1e9)
-    return (setup_s(system, model) + pin_s(system, model, micro_batch, seq_len) + moments_out
+    return (setup_s(system, model) + pin_s(system, model, micro_batch, seq_len, settings) + moments_out
             + steps * step_s(system, model, micro_batch, seq_len, settings))
 
 

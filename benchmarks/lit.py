@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks.build import build_model, random_tokens
 from benchmarks.cases import NVME_PATH, SYSTEMS, Case
 from benchmarks.models import MODELS
-from benchmarks.rungs import Rungs
+from benchmarks.rungs import Rungs, disk_bytes
 from benchmarks.timing import WindowClock
 
 LR = 1e-5
@@ -66,12 +66,7 @@ class ClockCallback(pl.Callback):
 
     def _snapshot(self, when: str) -> None:
         self.stats[when] = engine_stats(self._trainer.strategy) if self._trainer else {}
-        self.disk_bytes = _disk_bytes(Path(NVME_PATH))
-
-
-def _disk_bytes(folder: Path) -> int:
-    """Bytes of the files under the disk tier's folder (0 when there is none)."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+        self.disk_bytes = disk_bytes(Path(NVME_PATH))
 
 
 def engine_stats(strategy: object) -> dict:

@@ -157,9 +157,20 @@ def ladders_md(records: list[dict]) -> str:
             continue
         best = max(ladder["passed"], key=lambda rung: rung["size"], default={})
         rows.append([r["case"], r["system"], tier_label(r), ladder["grow"], best.get("size"), best.get("tokens"),
-                     best.get("step_s"), best.get("peak_vram_alloc_gib"), best.get("rss_gib"), _ending(ladder)])
-    header = ["ladder", "system", "tier", "grows", "largest that ran", "tokens", "step s", "VRAM alloc GiB",
-              "RSS GiB", "then"]
+                     best.get("step_s"), best.get("tokens_per_s"), best.get("tflops_full"),
+                     best.get("peak_vram_alloc_gib"), best.get("rss_gib"), best.get("disk_gib"), _ending(ladder)])
+    header = ["ladder", "system", "tier", "grows", "largest that ran", "tokens", "step s", "tok/s", "TFLOP/s full",
+              "VRAM alloc GiB", "RSS GiB", "disk GiB", "then"]
+    return _table(header, rows) if rows else ""
+
+
+def rungs_md(records: list[dict]) -> str:
+    """Every rung that ran, of every ladder: its step, throughput, model TFLOP/s and memory peaks."""
+    rows = [[r["case"], rung["size"], rung["tokens"], rung["step_s"], rung.get("tokens_per_s"), rung.get("tflops_6nt"),
+             rung.get("tflops_full"), rung.get("peak_vram_alloc_gib"), rung.get("rss_gib"), rung.get("disk_gib")]
+            for r in records for rung in (r.get("ladder") or {}).get("passed", [])]
+    header = ["ladder", "rung", "tokens", "step s", "tok/s", "TFLOP/s 6NT", "TFLOP/s full", "VRAM alloc GiB",
+              "RSS GiB", "disk GiB"]
     return _table(header, rows) if rows else ""
 
 
@@ -204,7 +215,7 @@ def tables_md(records: list[dict]) -> str:
     parts = [probe_md(records), "### Targets", targets_md(records), "### Cases", cases_md(records)]
     ladders = ladders_md(records)
     if ladders:
-        parts += ["### Largest that fits under the cap", ladders]
+        parts += ["### Largest that fits under the cap", ladders, "### Every rung that ran", rungs_md(records)]
     waits = waits_md(records)
     if waits:
         parts += ["### What the training thread waited for (per step)", waits]

@@ -18,9 +18,9 @@ import psutil
 import torch
 
 from benchmarks.build import random_tokens
-from benchmarks.cases import Case
+from benchmarks.cases import NVME_PATH, Case
 from benchmarks.ladder import LadderLog, next_rung_fits
-from benchmarks.models import MODELS
+from benchmarks.models import MODELS, step_flops
 
 GIB = float(1 << 30)
 
@@ -72,16 +72,26 @@ class Rungs:
                                                   time.perf_counter() - self.started)
 
     def _measured(self, size: int, step_s: float) -> dict:
+        """What a rung measured: its shape and step, model TFLOP/s (both formulas), and the peaks of the GPU, the
+        process's RSS and the disk tier's files (saved inputs on disk stay there until the next shape)."""
         micro_batch, seq_len = self.case.rung_shape(size)
-        tokens = micro_batch * seq_len
+        tokens, spec = micro_batch * seq_len, MODELS[self.case.model]
         measured = {"size": size, "micro_batch": micro_batch, "seq_len": seq_len, "tokens": tokens,
                     "step_s": step_s, "tokens_per_s": tokens / step_s,
+                    "tflops_6nt": step_flops(spec, tokens, seq_len, "6nt") / step_s / 1e12,
+                    "tflops_full": step_flops(spec, tokens, seq_len, "full") / step_s / 1e12,
                     "rss_gib": psutil.Process().memory_info().rss / GIB,
-                    "maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+                    "maxrss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+                    "disk_gib": disk_bytes(Path(NVME_PATH)) / GIB}
         if self.device.type == "cuda":
             measured.update(peak_vram_alloc_gib=torch.cuda.max_memory_allocated(self.device) / GIB,
                             peak_vram_reserved_gib=torch.cuda.max_memory_reserved(self.device) / GIB)
         return measured
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes of the files under the disk tier's folder (0 when there is none)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
 def _free(device: torch.device) -> None:

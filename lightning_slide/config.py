@@ -45,6 +45,13 @@ class SlideConfig:
         lands while the optimizer reads another).
     use_kernels: patch the model with the Triton kernels of `lightning_slide.ops` (RMSNorm, RoPE, SwiGLU, a linear
         cross-entropy that never materialises the logits) when the compute device is CUDA.
+    mlp_tile_tokens: when a decoder block's SwiGLU MLP runs over sequence tiles (`lightning_slide.ops.tiled_mlp`):
+        each tile computed and let go, only the MLP's input kept, each tile recomputed in the backward, so no
+        tokens x intermediate tensor of the whole micro-batch exists (at 131,072 tokens one is 3.5 GiB for
+        Llama-3.1-8B, and an untiled MLP holds several). "auto": on CUDA, for micro-batches where one such tensor
+        would take over 1 GiB (Llama-3.1-8B in bf16 beyond 37,449 tokens), in equal tiles of at most 256 MiB
+        such tensors; an int: tiles of that many tokens whenever a micro-batch has more, on any device; None:
+        never. A tiled MLP runs its gate and up projections once more in the backward.
     loss_chunk_mib: the fused loss's logits buffer (MiB) with the kernels. The loss head computes the logits a
         block at a time into this one buffer, so it bounds the loss's transient GPU memory (63 keeps it under
         64 MiB); a larger buffer means fewer, larger GEMMs: at 64k tokens, hidden 4096 and vocab 128256 (bf16
@@ -78,6 +85,7 @@ class SlideConfig:
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
     use_kernels: bool = True
+    mlp_tile_tokens: int | Literal["auto"] | None = "auto"
     loss_chunk_mib: float = 63.0
     nvme_path: str | None = None
     nvme_moments: float | None = None
@@ -95,6 +103,8 @@ class SlideConfig:
             "h2d_source": self.h2d_source in ("master", "shadow"),
             "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024,
+            "mlp_tile_tokens": self.mlp_tile_tokens in (None, "auto") or (
+                type(self.mlp_tile_tokens) is int and self.mlp_tile_tokens >= 1),
             "loss_chunk_mib": self.loss_chunk_mib >= 1,
             "grad_buffers": self.grad_buffers >= 2,
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
@@ -112,6 +122,10 @@ class SlideConfig:
     @property
     def initial_slots(self) -> int:
         return 3 if self.slots == "auto" else self.slots
+
+    def mlp_tiling(self, device_type: str) -> int | Literal["auto"] | None:
+        """The MLP tile setting that applies on a device: "auto" on CUDA only (as the kernels), an int anywhere."""
+        return None if self.mlp_tile_tokens == "auto" and device_type != "cuda" else self.mlp_tile_tokens
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> SlideConfig:
@@ -162,6 +176,7 @@ _HINTS = {
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": "Use at least 1024 elements per gradient chunk.",
+    "mlp_tile_tokens": "Give a positive number of tokens per MLP tile, 'auto' (long micro-batches on CUDA) or None.",
     "loss_chunk_mib": "Give the fused loss's logits buffer at least 1 MiB (63 keeps the loss under 64 MiB).",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",

@@ -174,8 +174,8 @@ class SlideEngine:
     def _prepare_model(self) -> None:
         """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training.
 
-        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits), so that
-        the engine wraps the patched modules.
+        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits), and the MLPs
+        that `mlp_tile_tokens` tiles (on any device with an int), so that the engine wraps the patched modules.
         """
         checkpointing = "is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing") else (
             "is_gradient_checkpointing")  # the older name (a deprecation warning where both exist)
@@ -184,10 +184,15 @@ class SlideEngine:
         if getattr(self.model.config, "use_cache", False):
             self.model.config.use_cache = False
         self._kernels = None
-        if self.config.use_kernels and self.device.type == "cuda":
-            from lightning_slide import ops  # imports triton: only where kernels run
+        kernels = self.config.use_kernels and self.device.type == "cuda"
+        tiles = self.config.mlp_tiling(self.device.type)
+        if kernels or tiles is not None:
+            from lightning_slide import ops  # imports triton: only where kernels run or MLPs are tiled
 
-            self._kernels = ops.patch(self.model, chunk_mib=self.config.loss_chunk_mib)
+            if kernels or ops.supports(self.model):
+                self._kernels = ops.patch(self.model, rms_norm=kernels, rope=kernels, swiglu=kernels,
+                                          cross_entropy=kernels, chunk_mib=self.config.loss_chunk_mib,
+                                          mlp_tile_tokens=tiles)
 
     def _part(self, unit: int, module: nn.Module, owner: dict[int, int], group_of: dict[int, int]) -> Part:
         """Every parameter use inside one intercepted module, located in its owner unit's buffer."""

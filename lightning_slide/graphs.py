@@ -19,7 +19,8 @@ Recompute = Literal["auto", "always", "never"]
 KERNEL_BLOCK_FACTOR = 0.75  # a block's recompute workspace with the Triton kernels, relative to HF's modules
 
 
-def block_graph_per_token(hidden: int, q: int, kv: int, intermediate: int, compute_bytes: int, kernels: bool) -> int:
+def block_graph_per_token(hidden: int, q: int, kv: int, intermediate: int, compute_bytes: int, kernels: bool,
+                          mlp_tiled: bool = False) -> int:
     """Bytes per token a Llama-style decoder block's forward keeps for its backward (its graph, kept or recomputed).
 
     Per token: its RMSNorm outputs and fp32 intermediates, q/k/v (`q`, `kv` wide) and their rotary copies, the
@@ -28,10 +29,22 @@ def block_graph_per_token(hidden: int, q: int, kv: int, intermediate: int, compu
     CPU (fp32 and bf16, within 3%). With the Triton kernels of `ops` (CUDA) a block keeps less:
     KERNEL_BLOCK_FACTOR of that, measured on the H200 (peak allocated of Llama-3.1-8B under a 24 GiB cap at 8 and
     64 x 1024 tokens: 191 KB per token against the formula's 254 KB; the same factor then predicts 3B at
-    8 x 1024 and 1B at 32 x 1024 within 2-4%, over).
+    8 x 1024 and 1B at 32 x 1024 within 2-4%, over). With the MLP tiled (`ops.tiled_mlp`) the MLP keeps only its
+    input, so the SwiGLU terms go (`block_workspace_bytes` adds the tile's buffers instead).
     """
-    per_token = (7 * hidden + 3 * q + 4 * kv + 4 * intermediate) * compute_bytes + 3 * hidden * 4
+    mlp = 0 if mlp_tiled else 4 * intermediate
+    per_token = (7 * hidden + 3 * q + 4 * kv + mlp) * compute_bytes + 3 * hidden * 4
     return int(per_token * KERNEL_BLOCK_FACTOR) if kernels else per_token
+
+
+def block_workspace_bytes(tokens: int, hidden: int, q: int, kv: int, intermediate: int, compute_bytes: int,
+                          kernels: bool, mlp_tile_bytes: int | None = None) -> int:
+    """Transient bytes of recomputing one decoder block in its backward, besides its weight gradients: its graph
+    for `tokens` tokens and, with the MLP tiled, the buffers of one tile (`mlp_tile_bytes`,
+    `ops.tiled_mlp.tile_bytes`), whatever the number of tokens."""
+    tiled = mlp_tile_bytes is not None
+    graph = tokens * block_graph_per_token(hidden, q, kv, intermediate, compute_bytes, kernels, tiled)
+    return graph + (mlp_tile_bytes or 0)
 
 
 def head_workspace(tokens: int, hidden: int, vocab: int, compute_bytes: int, loss_chunk_bytes: int | None) -> int:

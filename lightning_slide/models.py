@@ -6,6 +6,9 @@ architecture (random weights) without a download; real weights come only from a 
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -150,6 +153,43 @@ def model_config(name: str, **overrides: object) -> PretrainedConfig:
     return config_class(**{**kwargs, **overrides})
 
 
+def load_config(name: str, pretrained: str | Path | None = None) -> PretrainedConfig:
+    """The HF config of a run: the local folder's (checked to hold weights too) or the named architecture's."""
+    if pretrained is None:
+        return model_config(name)
+    return AutoConfig.from_pretrained(_checkpoint_folder(pretrained), local_files_only=True)
+
+
+def scale_rope(config: PretrainedConfig, scaling: Mapping[str, object]) -> PretrainedConfig:
+    """A copy of `config` with its RoPE parameters updated from `scaling` and its positions
+    (max_position_embeddings) grown by the ratio of the new RoPE factor to the old one (1 without one).
+
+    `{"factor": 64.0}` takes Llama-3.2-3B (llama3 scaling, factor 32, 131,072 positions) to 262,144 positions;
+    a model without scaling needs a type too, e.g. `{"rope_type": "linear", "factor": 2.0}` (or "yarn" and its
+    parameters, as Hugging Face defines them)."""
+    old = dict(getattr(config, "rope_parameters", None) or {})
+    new = {**old, **scaling}
+    config = copy.deepcopy(config)
+    config.rope_parameters = new
+    ratio = float(new.get("factor", 1.0)) / float(old.get("factor", 1.0))
+    config.max_position_embeddings = int(config.max_position_embeddings * ratio)
+    return config
+
+
+def check_context(config: PretrainedConfig, seq_len: int, label: str) -> None:
+    """ValueError when `seq_len` passes the model's positions (max_position_embeddings), naming rope scaling."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None or seq_len <= limit:
+        return
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    factor = float(rope.get("factor", 1.0)) * seq_len / limit
+    factor = math.ceil(factor * 10) / 10  # one decimal, rounded up: enough positions
+    example = f"{{factor:{factor:.1f}}}" if "factor" in rope else f"{{rope_type:linear,factor:{factor:.1f}}}"
+    raise ValueError(f"data.seq_len={seq_len} exceeds {label}'s max_position_embeddings={limit}; set "
+                     f"model.rope_scaling to stretch its positions (e.g. model.rope_scaling={example}), or a "
+                     "shorter data.seq_len.")
+
+
 def build_model(
     name_or_config: str | PretrainedConfig,
     pretrained: str | Path | None = None,
@@ -159,19 +199,21 @@ def build_model(
     """A causal LM with fp32 weights on the CPU (the runtime keeps its master copy there).
 
     `pretrained` (a local folder written by `save_pretrained`: safetensors or `pytorch_model.bin`) wins over
-    the name: its config and weights are loaded without touching the network; a folder without weights is
-    refused. Otherwise the named (or given) config gets random weights.
+    the name: its config and weights are loaded without touching the network (a config given instead of a
+    name replaces the folder's, e.g. with scaled RoPE); a folder without weights is refused. Otherwise the
+    named (or given) config gets random weights.
     `meta=True` (for the slideformer strategy) builds placeholders instead, which its engine fills unit by
     unit from that folder or with random init, straight into its flat storage (see `materialize.py`).
     Either way the model comes back in train mode, ready to fine-tune (`from_pretrained` returns eval mode).
     """
     folder = None if pretrained is None else _checkpoint_folder(pretrained)
+    given = name_or_config if isinstance(name_or_config, PretrainedConfig) else None
     if folder is not None and not meta:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).train()
+        return AutoModelForCausalLM.from_pretrained(folder, config=given, dtype=dtype, local_files_only=True).train()
     if folder is not None:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = given or AutoConfig.from_pretrained(folder, local_files_only=True)
     else:
-        config = model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+        config = given or model_config(name_or_config)
     declared = config.dtype  # the checkpoint's own dtype (bf16 when published): from_config overwrites it
     with meta_parameters() if meta else nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

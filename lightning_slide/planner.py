@@ -21,7 +21,7 @@ from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import available_disk, available_ram, available_vram, host_headroom, process_rss
 from lightning_slide.config import SlideConfig
 from lightning_slide.gradients import GradRouter
-from lightning_slide.graphs import block_graph_per_token, head_workspace
+from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
 from lightning_slide.layer_adam import LayerAdam
 from lightning_slide.moments import READ_AHEAD, Moments, disk_units, unit_file_bytes
 from lightning_slide.step_mode import StepMode
@@ -401,28 +401,87 @@ def _disk_staging(setup: Setup, nbytes: int) -> Entry:
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     """Transient memory of recomputing the costliest unit (a decoder block or the loss head) in its backward:
-    a block's graph (`graphs.block_graph_per_token`) and its weight gradients, which exist once more before the
-    engine copies them into the slot, or the head's (`graphs.head_workspace`)."""
-    block = tokens * _block_graph_per_token(shape, setup) + Slot.bytes_for(
-        max((u.numel for u in shape.units if not u.dedicated), default=0), setup.dtype)
-    kernels = setup.cuda and setup.config.use_kernels
+    a block's graph and, with its MLP tiled, one tile's buffers (`graphs.block_workspace_bytes`), and its weight
+    gradients, which exist once more before the engine copies them into the slot; or the head's
+    (`graphs.head_workspace`)."""
+    tile = _mlp_tile(shape, setup, tokens)
+    block = block_workspace_bytes(tokens, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
+                                  shape.intermediate, setup.compute_bytes, _kernels(setup), tile and tile[1])
+    block += Slot.bytes_for(max((u.numel for u in shape.units if not u.dedicated), default=0), setup.dtype)
     head = head_workspace(tokens, shape.hidden, shape.vocab, setup.compute_bytes,
-                          int(setup.config.loss_chunk_mib * 2**20) if kernels else None)
+                          int(setup.config.loss_chunk_mib * 2**20) if _kernels(setup) else None)
     return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),
-                 "a smaller micro_batch or seq_len")
+                 "a smaller micro_batch or seq_len" + _tiling_remedy(setup, tile and tile[0]))
 
 
-def _block_graph_per_token(shape: ModelShape, setup: Setup) -> int:
+def _kernels(setup: Setup) -> bool:
+    return setup.cuda and setup.config.use_kernels
+
+
+def _mlp_tile(shape: ModelShape, setup: Setup, tokens: int) -> tuple[int, int] | None:
+    """Tokens per MLP tile of a micro-batch of `tokens`, as the engine's patched MLPs will choose, and the tile's
+    buffers in bytes; None: untiled."""
+    setting = setup.config.mlp_tiling(setup.device)
+    if setting is None:
+        return None
+    from lightning_slide.ops.tiled_mlp import tile_bytes, tile_for  # imports triton: only where MLPs are tiled
+
+    tile = tile_for(setting, tokens, shape.intermediate, setup.compute_bytes)
+    return None if tile is None else (tile, tile_bytes(tile, shape.intermediate, setup.compute_bytes))
+
+
+def _tiling_remedy(setup: Setup, tile: int | None) -> str:
+    """The MLP setting that shrinks the workspace: tiling where it is off, smaller tiles where they are set."""
+    if setup.config.mlp_tiling(setup.device) is None:
+        return ", or mlp_tile_tokens=8192 (MLPs over sequence tiles)"
+    if tile is not None and setup.config.mlp_tile_tokens != "auto":
+        return f", or mlp_tile_tokens below {tile}"
+    return ""
+
+
+def _block_graph_per_token(shape: ModelShape, setup: Setup, tokens: int) -> int:
     """Bytes per token a decoder block of this model keeps for its backward (`graphs.block_graph_per_token`)."""
     return block_graph_per_token(shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
-                                 shape.intermediate, setup.compute_bytes, setup.cuda and setup.config.use_kernels)
+                                 shape.intermediate, setup.compute_bytes, _kernels(setup),
+                                 _mlp_tile(shape, setup, tokens) is not None)
 
 
 def _kept_graphs(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     """recompute="never": every block keeps its graph until its backward ("auto" fits them to what is spare)."""
     blocks = sum(not u.dedicated for u in shape.units) if setup.config.recompute == "never" else 0
     return Entry(f"kept graphs of {blocks} blocks (recompute='never')", setup.on_device,
-                 blocks * tokens * _block_graph_per_token(shape, setup), "recompute='auto', or a smaller micro_batch")
+                 blocks * tokens * _block_graph_per_token(shape, setup, tokens),
+                 "recompute='auto', or a smaller micro_batch")
+
+
+def check_batch(needs: Plan, static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
+                resources: Resources, gpu_free: int | None) -> None:
+    """Raise PlanError when a micro-batch's plan (`needs`, beside the allocated `static` plan) does not fit, naming
+    also the longest sequence that would fit at this micro-batch."""
+    try:
+        needs.check(resources)
+    except PlanError as error:
+        longest = longest_seq_len(static, shape, setup, micro_batch, resources, gpu_free, seq_len)
+        fits = (f"the longest sequence that fits at micro_batch={micro_batch} is {longest:,} tokens"
+                if longest else f"no sequence fits at micro_batch={micro_batch}")
+        raise PlanError(f"{error} This micro-batch has {micro_batch} x {seq_len:,} tokens; {fits}.") from None
+
+
+def longest_seq_len(static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, resources: Resources,
+                    gpu_free: int | None, below: int) -> int:
+    """The longest sequence shorter than `below` whose batch plan at `micro_batch` fits (0 if none does)."""
+    def fits(seq_len: int) -> bool:
+        try:
+            static.batch(shape, setup, micro_batch, seq_len, gpu_free).check(resources)
+        except PlanError:
+            return False
+        return True
+
+    low, high = 0, below  # low fits (nothing at all), high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def plan_for_run(root: nn.Module, optimizer: torch.optim.Optimizer | None, setup: Setup) -> tuple[ModelShape, Plan]:

@@ -31,7 +31,15 @@ from lightning_slide.checkpoint_io import AtomicCheckpointIO
 from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
 from lightning_slide.materialize import meta_parameters
-from lightning_slide.planner import Plan, Resources, Setup, fit_moments, plan_for_run, resident_bytes
+from lightning_slide.planner import (
+    Plan,
+    Resources,
+    Setup,
+    check_batch,
+    fit_moments,
+    plan_for_run,
+    resident_bytes,
+)
 from lightning_slide.precision import SlidePrecision
 from lightning_slide.step_mode import StepMode
 from lightning_slide.tiers import backend_name, direct_io, remove_stale_tier_folders
@@ -262,7 +270,7 @@ class SlideStrategy(SingleDeviceStrategy):
         peak = whole.peak_rss(replace(resources, process=self._process_bytes))
         rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe()
                        + f"\n  expected peak host RSS of the run: {peak / 2**30:.2f} GiB")
-        needs.check(resources)
+        check_batch(needs, self.plan, shape, setup, *tokens, resources, gpu_free)
 
     # ------------------------------------------------------------------------------------ checkpoints
     @property

@@ -51,33 +51,63 @@ def _grid(n: int) -> tuple[int]:
     return (-(-n // BLOCK),)
 
 
+def _launch_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    _fwd_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=BLOCK, **launch_options(8))
+    return out
+
+
+def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor,
+                dup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _bwd_kernel[_grid(gate.numel())](dout, gate, up, dgate, dup, gate.numel(), BLOCK=BLOCK, **launch_options(8))
+    return dgate, dup
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Triton `silu(gate) * up`; saves gate and up (no extra activation memory)."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        _fwd_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=BLOCK,
-                                         **launch_options(8))
         ctx.save_for_backward(gate, up)
-        return out
+        return _launch_fwd(gate, up, torch.empty_like(gate))
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dout = dout.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        _bwd_kernel[_grid(gate.numel())](dout, gate, up, dgate, dup, gate.numel(), BLOCK=BLOCK,
-                                         **launch_options(8))
-        return dgate, dup
+        return _launch_bwd(dout.contiguous(), gate, up, torch.empty_like(gate), torch.empty_like(up))
+
+
+def _kernel_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return use_triton(gate) and gate.shape == up.shape and gate.dtype == up.dtype
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up`: Triton when it applies (same shape and dtype), else the reference."""
-    if use_triton(gate) and gate.shape == up.shape and gate.dtype == up.dtype:
+    if _kernel_applies(gate, up):
         return SwiGLUFunction.apply(gate, up)
     return swiglu_reference(gate, up)
+
+
+def swiglu_into_(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` written into `out` (no autograd), which may be `gate` itself: for callers that keep no
+    graph and want no further buffer. Each element is read before its result is stored (the kernel's store
+    depends on both of its loads)."""
+    if _kernel_applies(gate, up) and all(t.is_contiguous() for t in (out, gate, up)) and out.shape == gate.shape:
+        return _launch_fwd(gate, up, out)
+    return out.copy_(swiglu_reference(gate, up))
+
+
+def swiglu_backward_(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `silu(gate) * up` for `dout`, written over `gate` and `up` (no autograd): what
+    SwiGLUFunction's backward computes, in the memory of its inputs. Without the kernel: autograd's `silu`
+    derivative, `sigmoid(g) * (1 + g * (1 - sigmoid(g)))`, in fp32 and rounded once, as the kernel does."""
+    if _kernel_applies(gate, up) and all(t.is_contiguous() for t in (dout, gate, up)) and dout.shape == gate.shape:
+        return _launch_bwd(dout, gate, up, gate, up)
+    g, u, d = gate.float(), up.float(), dout.float()
+    sig = torch.sigmoid(g)
+    dgate = (d * u) * (sig * (1 + g * (1 - sig)))
+    up.copy_(d * F.silu(g))
+    return gate.copy_(dgate), up
 
 
 class SwiGLUMLP(nn.Module):

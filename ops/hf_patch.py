@@ -4,6 +4,8 @@ What changes, and why this way:
 - RMSNorm and MLP modules change class, per instance, to a subclass whose `forward` calls the
   kernel with the module's own `self.weight` (so a runtime that swaps a module's parameters in
   only for the duration of that module's call still works). `isinstance` checks keep passing.
+- MLPs whose projections are plain bias-free `nn.Linear`s also run over sequence tiles for long
+  micro-batches (`tiled_mlp`, `mlp_tile_tokens`); a PEFT adapter in a projection leaves its MLP untiled.
 - `apply_rotary_pos_emb` is replaced in the model's modeling module, where HF's attention looks
   it up. That name is process-wide: it is reference-counted across patched models and restored
   when the last one is unpatched. Models of the same family that were not patched see the kernel
@@ -28,6 +30,7 @@ from .cross_entropy import CHUNK_MIB, IGNORE_INDEX, LinearCrossEntropyHead
 from .glu import swiglu
 from .norm import rms_norm
 from .rotary import apply_rotary_pos_emb
+from .tiled_mlp import TileSetting, check_tile_setting, compute_itemsize, tile_for, tiled_mlp
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 _HANDLE_ATTR = "_ops_patch_handle"
@@ -49,6 +52,20 @@ class _KernelSwiGLUMLP:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+class _TiledMLP:
+    """Forward of an HF SwiGLU MLP over sequence tiles where `tile_for` says so (`self.mlp_tile_tokens`), else
+    the forward it had."""
+
+    prefix = "Tiled"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.numel() // x.shape[-1]
+        tile = tile_for(self.mlp_tile_tokens, tokens, self.gate_proj.out_features, compute_itemsize(x))
+        if tile is None:
+            return super().forward(x)
+        return tiled_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, tile)
+
+
 _subclasses: dict[tuple[type, type], type] = {}
 
 
@@ -56,7 +73,7 @@ def _subclass(mixin: type, cls: type) -> type:
     """`mixin` over `cls`, made once and registered in this module so pickling finds it."""
     key = (mixin, cls)
     if key not in _subclasses:
-        name = f"Kernel{cls.__name__}"
+        name = f"{getattr(mixin, 'prefix', 'Kernel')}{cls.__name__}"
         while name in globals():
             name += "_"
         sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
@@ -89,6 +106,18 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
     return (_family(m) is not None and type(m).__name__.endswith("MLP")
             and all(isinstance(getattr(m, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
             and type(act).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def _is_tileable(m: nn.Module) -> bool:
+    """A SwiGLU MLP of plain bias-free projections: what `tiled_mlp` computes from their weights alone."""
+    return _is_swiglu_mlp(m) and all(type(getattr(m, n)) is nn.Linear and getattr(m, n).bias is None
+                                     for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _tile_mlp(m: nn.Module, setting: TileSetting) -> list[Callable[[], None]]:
+    undo = _swap_class(m, _subclass(_TiledMLP, type(m)))
+    m.mlp_tile_tokens = setting
+    return [undo, lambda: m.__dict__.pop("mlp_tile_tokens", None)]
 
 
 # modeling module -> [HF's apply_rotary_pos_emb, number of live patches]
@@ -188,29 +217,48 @@ class PatchHandle:
         self.unpatch()
 
 
-def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-          cross_entropy: bool = True, softcap: float | None = None, z_loss_weight: float = 0.0,
-          chunk_mib: float = CHUNK_MIB) -> PatchHandle:
-    """Swap the kernels into `model` (before any runtime wraps its modules); returns the handle.
-
-    `softcap` and `z_loss_weight` apply to the fused loss (off by default: Llama, Qwen and
-    Mistral train without them). Raises for a model outside the supported families.
-    """
-    families = {f for m in model.modules() if (f := _family(m))}
-    if not families:
-        raise ValueError(f"ops.patch supports Hugging Face {', '.join(SUPPORTED)} models; "
-                         f"got {type(model).__name__} from {type(model).__module__}")
-    if _HANDLE_ATTR in model.__dict__:
-        raise RuntimeError("model is already patched; call ops.unpatch(model) first")
+def _patch_modules(model: nn.Module, counts: dict[str, int], rms_norm: bool, swiglu: bool,
+                   mlp_tile_tokens: TileSetting) -> list[Callable[[], None]]:
+    """Swap the RMSNorm and MLP modules' classes; counts what changed."""
     undo: list[Callable[[], None]] = []
-    counts = {"rms_norm": 0, "swiglu": 0, "rope": 0, "cross_entropy": 0}
     for m in model.modules():
         if rms_norm and _is_rms_norm(m):
             undo.append(_swap_class(m, _subclass(_KernelRMSNorm, type(m))))
             counts["rms_norm"] += 1
-        elif swiglu and _is_swiglu_mlp(m):
+            continue
+        tileable = mlp_tile_tokens is not None and _is_tileable(m)  # before a swap: it reads the HF class
+        if swiglu and _is_swiglu_mlp(m):
             undo.append(_swap_class(m, _subclass(_KernelSwiGLUMLP, type(m))))
             counts["swiglu"] += 1
+        if tileable:
+            undo.extend(_tile_mlp(m, mlp_tile_tokens))
+            counts["tiled_mlp"] += 1
+    return undo
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `model` holds modules of a family `patch` knows."""
+    return any(_family(m) for m in model.modules())
+
+
+def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
+          cross_entropy: bool = True, softcap: float | None = None, z_loss_weight: float = 0.0,
+          chunk_mib: float = CHUNK_MIB, mlp_tile_tokens: TileSetting = "auto") -> PatchHandle:
+    """Swap the kernels into `model` (before any runtime wraps its modules); returns the handle.
+
+    `softcap` and `z_loss_weight` apply to the fused loss (off by default: Llama, Qwen and
+    Mistral train without them). `mlp_tile_tokens` is when MLPs run over sequence tiles
+    (`tiled_mlp.tile_for`: "auto", tokens per tile, or None for never). Raises for a model outside
+    the supported families.
+    """
+    if not supports(model):
+        raise ValueError(f"ops.patch supports Hugging Face {', '.join(SUPPORTED)} models; "
+                         f"got {type(model).__name__} from {type(model).__module__}")
+    if _HANDLE_ATTR in model.__dict__:
+        raise RuntimeError("model is already patched; call ops.unpatch(model) first")
+    check_tile_setting(mlp_tile_tokens)
+    counts = {"rms_norm": 0, "swiglu": 0, "tiled_mlp": 0, "rope": 0, "cross_entropy": 0}
+    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens)
     if rope:
         modelings = {sys.modules[type(m).__module__] for m in model.modules() if _family(m)}
         for modeling in modelings:

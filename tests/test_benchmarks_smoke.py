@@ -94,8 +94,25 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
 
 def test_suites_are_named_for_what_they_measure() -> None:
     assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "h2d", "ladders",
-                           "smoke", "full"}
+                           "long", "tiling", "smoke", "full"}
     assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
+
+
+def test_the_long_ladders_tile_their_mlps_and_every_rung_fits_their_time_caps_as_estimated() -> None:
+    from benchmarks.cases import ladder_rung_s
+    from benchmarks.estimate import setup_s
+
+    for case in SUITES["long"]:
+        assert case.settings["mlp_tile_tokens"] == "auto" and case.grow == "seq_len"
+        assert setup_s(case.system, case.model) + sum(ladder_rung_s(case, size) for size in case.rungs) \
+            <= case.time_cap_s
+    assert {c.rungs for c in SUITES["long"]} == {(65536, 131072), (131072, 262144)}
+
+
+def test_the_tiling_suite_compares_one_shape_untiled_and_tiled() -> None:
+    untiled, tiled = SUITES["tiling"]
+    assert (untiled.model, untiled.seq_len, untiled.micro_batch) == (tiled.model, tiled.seq_len, tiled.micro_batch)
+    assert (untiled.settings, tiled.settings) == ({"mlp_tile_tokens": None}, {"mlp_tile_tokens": 8192})
 
 
 def test_a_name_means_one_case_in_every_suite() -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_slide.models import MODELS, build_model, model_config
+from lightning_slide.models import MODELS, build_model, check_context, load_config, model_config, scale_rope
 
 # Parameter counts of the published checkpoints (embeddings counted once when tied).
 PUBLISHED_PARAMS = {
@@ -66,3 +66,44 @@ def test_pretrained_model_comes_back_ready_to_train(tmp_path):
 def test_missing_pretrained_folder_says_what_to_pass(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.pretrained=.*not a local Hugging Face model folder"):
         build_model("tiny", pretrained=tmp_path / "nowhere")
+
+
+def test_rope_scaling_of_llama3_raises_its_factor_and_grows_its_positions_by_the_same_ratio():
+    base = model_config("llama3_3b")
+    scaled = scale_rope(base, {"factor": 64.0})
+    assert scaled.max_position_embeddings == 262144 and scaled.rope_parameters["factor"] == 64.0
+    rope = scaled.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["original_max_position_embeddings"] == 8192
+    assert base.max_position_embeddings == 131072 and base.rope_parameters["factor"] == 32.0  # a copy
+
+
+def test_linear_rope_scaling_of_a_model_without_scaling_interpolates_its_positions():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    base = small_llama()
+    scaled = scale_rope(base, {"rope_type": "linear", "factor": 2.0})
+    assert scaled.max_position_embeddings == 2 * base.max_position_embeddings
+    positions = torch.arange(8)[None]
+    x = torch.zeros(1, 8, base.hidden_size)
+    half = LlamaRotaryEmbedding(base)(x, positions // 2)[0][:, ::2]
+    torch.testing.assert_close(LlamaRotaryEmbedding(scaled)(x, positions)[0][:, ::2], half)
+
+
+def test_a_sequence_past_the_positions_is_refused_naming_rope_scaling_with_a_factor_that_fits():
+    with pytest.raises(ValueError, match=r"data\.seq_len=262144 exceeds llama3_3b's max_position_embeddings=131072; "
+                                         r"set model\.rope_scaling .*\{factor:64\.0\}.*or a shorter data\.seq_len"):
+        check_context(model_config("llama3_3b"), 262144, "llama3_3b")
+    with pytest.raises(ValueError, match=r"\{rope_type:linear,factor:1\.7\}"):
+        check_context(model_config("qwen3_8b"), 65536 + 4096, "qwen3_8b")  # 1.7 x 40960 positions: enough
+    check_context(scale_rope(model_config("llama3_3b"), {"factor": 64.0}), 262144, "llama3_3b")
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["loaded", "meta"])
+def test_a_scaled_config_of_a_pretrained_folder_keeps_its_weights(meta, tmp_path):
+    saved = build_model(small_llama())
+    saved.save_pretrained(tmp_path)
+    scaled = scale_rope(load_config("ignored", tmp_path), {"rope_type": "linear", "factor": 4.0})
+    model = build_model(scaled, pretrained=tmp_path, meta=meta)
+    assert model.config.max_position_embeddings == 4 * saved.config.max_position_embeddings
+    if not meta:
+        torch.testing.assert_close(model.state_dict(), saved.state_dict(), rtol=0, atol=0)

@@ -189,6 +189,22 @@ def test_a_setting_the_chosen_offload_does_not_read_is_refused_before_building(o
         train(config(*overrides), tmp_path)
 
 
+def test_a_sequence_past_the_models_positions_is_refused_naming_rope_scaling_before_anything_is_built(
+        tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setitem(train.__globals__, "build_model", lambda *args, **kwargs: built.append(args))
+    with pytest.raises(ValueError, match=r"data\.seq_len=262144 exceeds llama3_3b's max_position_embeddings=131072; "
+                                         r"set model\.rope_scaling"):
+        train(config("model=llama3_3b", "data.seq_len=262144"), tmp_path)
+    assert built == []
+
+
+def test_model_rope_scaling_on_the_command_line_grows_the_positions_the_sequence_is_checked_against():
+    cfg = config("model=llama3_3b", "data.seq_len=262144", "model.rope_scaling={factor:64.0}")
+    model = SCRIPT["model_config_for"](OmegaConf.to_container(cfg.model), cfg.data.seq_len)
+    assert model.max_position_embeddings == 262144 and model.rope_parameters["factor"] == 64.0
+
+
 def test_export_settings_shape_the_hf_folder(tmp_path):
     train(config("offload=cpu", "trainer.max_steps=1", "trainer.val_check_interval=1", "+trainer.limit_val_batches=1",
                  "export.dtype=bfloat16", "export.max_shard_size=300KB"), tmp_path)

@@ -69,6 +69,25 @@ def test_fp32_matches_adamw_when_updates_overlap_the_backward(settings):
     assert relative_difference(expected, got.model) <= 1e-6
 
 
+@pytest.mark.parametrize(
+    "settings", [dict(), dict(recompute="never", slots=2)], ids=["recomputed", "kept-graphs-two-slots"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp32_with_mlps_over_sequence_tiles_matches_lightnings_own_training(arch, settings, monkeypatch):
+    """Tiles of 5 tokens over micro-batches of 2 x 16 (the last tile ragged), accumulating two and clipping: the
+    tiled MLPs' weight gradients reach the optimizer as the untiled ones do; a kept graph reads the MLP weights
+    back from whichever slot holds them at its backward."""
+    import lightning_slide.ops.hf_patch as hf_patch
+    from lightning_slide.ops.tiled_mlp import tiled_mlp
+
+    calls = []
+    monkeypatch.setattr(hf_patch, "tiled_mlp", lambda *args: calls.append(args[-1]) or tiled_mlp(*args))
+    model, batches = tiny_model(arch), token_batches(STEPS * 2)
+    lightning = fit(model, batches, "auto", STEPS, accumulate=2, clip=0.5)
+    ours = fit(model, batches, SlideStrategy(mlp_tile_tokens=5, **settings), STEPS, accumulate=2, clip=0.5)
+    assert calls and set(calls) == {5}
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
+
+
 def test_micro_batches_of_changing_size_match_adamw_and_a_larger_one_sizes_the_window_again():
     """The window grows after the first step for that step's batch; a larger micro-batch later gives the grown
     slots back before its forward (its activations need the memory) and the window grows again after it."""

@@ -273,7 +273,7 @@ def test_recompute_never_plans_every_blocks_graph_and_names_recompute_when_it_ca
     setup = Setup(SlideConfig(recompute="never"))
     plan = Plan.estimate(shape, setup, micro_batch=8, seq_len=1024)
     kept = next(e for e in plan.entries if e.what.startswith("kept graphs of 32 blocks"))
-    assert kept.bytes == 32 * 8 * 1024 * planner._block_graph_per_token(shape, setup)
+    assert kept.bytes == 32 * 8 * 1024 * planner._block_graph_per_token(shape, setup, 8 * 1024)
     default = Plan.estimate(shape, Setup(SlideConfig()), 8, 1024)
     assert not any(e.what.startswith("kept graphs") for e in default.entries)
     with pytest.raises(PlanError, match="recompute='auto'"):
@@ -323,3 +323,57 @@ def test_the_plan_counts_one_shard_of_the_hugging_face_export(tmp_path):
     trainer(SlideStrategy(), 1, callbacks=[export, Grab()]).fit(module, DataLoader(token_batches(1), batch_size=None))
     entry = next(e for e in plans[0].entries if e.what.startswith("Hugging Face export"))
     assert entry.bytes == 20_000 == export.host_bytes(module)
+
+
+def _workspace(plan: Plan) -> int:
+    return next(e.bytes for e in plan.entries if e.what.startswith("compute workspace"))
+
+
+def test_a_tiled_mlp_bounds_the_blocks_workspace_by_its_tile_not_the_sequence():
+    """On CUDA "auto" tiles Llama-3.1-8B's MLP past 1 GiB per intermediate tensor: doubling the sequence then adds
+    the block's other per-token terms and at most a change of tile size (tiles of at most 256 MiB per buffer),
+    and the MLP's intermediates (four per token) are gone."""
+    from lightning_slide.graphs import block_graph_per_token
+    from lightning_slide.ops.tiled_mlp import TILE_MIB, TILE_TENSORS
+
+    shape, tiles_at_most = _llama_8b(), TILE_TENSORS * TILE_MIB * 2**20
+    tiled, untiled = Setup(SlideConfig()), Setup(SlideConfig(mlp_tile_tokens=None))
+    per_token = block_graph_per_token(4096, 4096, 1024, 14336, 2, True, mlp_tiled=True)
+    long, longer = (_workspace(Plan.estimate(shape, tiled, 1, n)) for n in (131072, 262144))
+    assert 0 <= longer - long - 131072 * per_token <= tiles_at_most
+    saved = _workspace(Plan.estimate(shape, untiled, 1, 131072)) - long
+    assert saved >= 0.75 * 131072 * 4 * 14336 * 2 - tiles_at_most
+    short = (_workspace(Plan.estimate(shape, s, 1, 32768)) for s in (tiled, untiled))
+    assert len(set(short)) == 1  # below the threshold "auto" leaves the MLP untiled
+
+
+def test_on_the_cpu_auto_leaves_mlps_untiled_and_a_number_tiles_them():
+    """(A small vocabulary, so that a block and not the unfused loss head is the costliest recompute.)"""
+    shape, long = ModelShape.from_config(LlamaConfig(**{**LLAMA_8B, "vocab_size": 1000})), 65536
+    plans = {setting: Plan.estimate(shape, Setup(SlideConfig(mlp_tile_tokens=setting), device="cpu"), 1, long)
+             for setting in ("auto", None, 4096)}
+    assert _workspace(plans["auto"]) == _workspace(plans[None]) > _workspace(plans[4096])
+
+
+def test_a_sequence_that_cannot_fit_is_refused_naming_the_longest_that_fits_and_what_to_change():
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"))
+    static, resources = Plan.static(shape, setup), Resources(ram=400 * GiB, gpu=24 * GiB - 6 * GiB)
+    gpu_free = resources.gpu + static.total("gpu")
+    needs = static.batch(shape, setup, 1, 1 << 20, gpu_free)
+    with pytest.raises(PlanError) as caught:
+        planner.check_batch(needs, static, shape, setup, 1, 1 << 20, resources, gpu_free)
+    message = str(caught.value)
+    longest = planner.longest_seq_len(static, shape, setup, 1, resources, gpu_free, 1 << 20)
+    assert f"This micro-batch has 1 x 1,048,576 tokens; the longest sequence that fits at micro_batch=1 is " \
+           f"{longest:,} tokens" in message
+    assert "GPU memory" in message and "a smaller micro_batch or seq_len" in message
+    static.batch(shape, setup, 1, longest, gpu_free).check(resources)
+    with pytest.raises(PlanError):
+        static.batch(shape, setup, 1, longest + 1, gpu_free).check(resources)
+
+
+def test_without_tiles_the_refusal_names_mlp_tiling():
+    shape, setup = _llama_8b(), Setup(SlideConfig(mlp_tile_tokens=None, activations="cpu"))
+    plan = Plan.estimate(shape, setup, 1, 262144)
+    with pytest.raises(PlanError, match=r"mlp_tile_tokens=8192 \(MLPs over sequence tiles\)"):
+        plan.check(Resources(ram=400 * GiB, gpu=24 * GiB))
