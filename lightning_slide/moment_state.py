@@ -10,8 +10,9 @@ amsgrad), its tensors views of the engine's flat storage, so checkpoints are wri
   `exp_avg_sq_scale` the fp32 absmax of each block that the parameter's elements fall in; `exp_avg_qmap`,
   `exp_avg_sq_qmap` the 256 values the codes index (signed and unsigned dynamic maps); `block_size` the
   elements per block and `block_offset` where in its first block the parameter starts (blocks run over a
-  unit's flat buffer, so a block can span two parameters: both list its scale). Element i of the parameter
-  is `qmap[code[i]] * scale[(block_offset + i) // block_size]`.
+  unit's flat buffer, so a block can span two parameters: both list its scale). Element i of exp_avg is
+  `qmap[code[i]] * scale[(block_offset + i) // block_size]`; exp_avg_sq is held as its square root, so its
+  element i is the square of that (and its scales are the absmax of the root).
 
 Loading keeps exact what can be exact: the same precision resumes bit for bit (8-bit codes and scales are
 copied as they are where the blocks fall as they did; bf16 and fp32 values are representable as they are).
@@ -92,7 +93,8 @@ def saved_values(entry: Mapping[str, Any], key: str, i: int, j: int) -> torch.Te
     if f"{key}_scale" not in entry:
         return values.float()
     blocks = (torch.arange(i, j) + int(entry["block_offset"])) // int(entry["block_size"])
-    return entry[f"{key}_qmap"].float()[values.long()] * entry[f"{key}_scale"].float()[blocks]
+    x = entry[f"{key}_qmap"].float()[values.long()] * entry[f"{key}_scale"].float()[blocks]
+    return x.square_() if key == "exp_avg_sq" else x
 
 
 def _same_blocks(entry: Mapping[str, Any], key: str, at: int, codec: MomentCodec) -> bool:
