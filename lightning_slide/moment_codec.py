@@ -11,15 +11,17 @@ update is torch's AdamW's exactly; only the moments lose precision, on the write
   half a bf16 ulp of the moment, which is most of them once beta2 = 0.999 has averaged in many steps). The
   random bits come from a fixed table at a position set by the step, the unit, the moment and the element's
   index, so a rerun, a resume and the disk tier all round exactly alike (`noise_position`).
-- "int8": blockwise dynamic quantisation (Dettmers et al., "8-bit Optimizers via Block-wise Quantization",
-  ICLR 2022): each block of 256 elements is scaled by its absmax and every element is stored as the index of
-  the nearest value of bitsandbytes' dynamic map (`dynamic_map`), signed for exp_avg; exp_avg_sq is stored as
-  its square root, on the unsigned map. The map is non-linear (a few significant digits at every magnitude
-  from 1e-7 to 1), which keeps small moments away from zero, where a linear 8-bit code would round most of a
-  block's exp_avg_sq to 0 and turn their updates into m / eps. The square root is what the update divides
-  by, and it spans half the decades of exp_avg_sq within a block, so the elements far below their block's
-  largest keep more digits: over 100 steps of a tiny Llama (docs/alternatives.md) the held-out loss ended
-  2.4-4.3% above fp32's with exp_avg_sq itself on the map (bitsandbytes' choice) and within 0.6% with its root.
+- "int8": blockwise dynamic quantisation as in bitsandbytes' 8-bit Adam (Dettmers et al., "8-bit Optimizers
+  via Block-wise Quantization", ICLR 2022): each block of 256 elements is scaled by its absmax and every
+  element is stored as an 8-bit code of a non-linear map, signed for exp_avg; exp_avg_sq is stored as its
+  square root. The map is a small float (`Int8Codec`): the same relative precision at every magnitude over
+  five decades below the block's absmax, which keeps small moments away from zero (a linear 8-bit code would
+  round most of a block's exp_avg_sq to 0 and turn their updates into m / eps). bitsandbytes' own map is a
+  table whose nearest entry takes a binary search per element: with torch ops on the CPU (`torch.bucketize`)
+  that ran at 12-20 M elements/s per core, 50 times slower than the update itself, where the float code is a
+  few integer operations. The square root is what the update divides by, and it spans half the decades of
+  exp_avg_sq within a block, so elements far below their block's largest keep more digits
+  (docs/alternatives.md has the measurements).
 """
 
 from __future__ import annotations
@@ -55,23 +57,6 @@ class Packed:
         if start % BLOCK:
             raise ValueError(f"An 8-bit moment piece must start on a block boundary (of {BLOCK}), not at {start}.")
         return Packed(self.values[start:stop], self.scales[start // BLOCK : -(-stop // BLOCK)])
-
-
-def dynamic_map(signed: bool) -> torch.Tensor:
-    """The 256 values of bitsandbytes' `create_dynamic_map(signed)` (8 bits, up to 7 exponent bits), sorted:
-    for each decade 1e-7..1 a linear grid of midpoints, finer for larger magnitudes, plus 0 and 1."""
-    values = [0.0, 1.0]
-    for i in range(7):
-        edges = torch.linspace(0.1, 1, 2**i + 1 if signed else 2 ** (i + 1) + 1, dtype=torch.float32)
-        means = (edges[:-1] + edges[1:]) / 2.0 * 10 ** (i - 6)
-        values += means.tolist() + ((-means).tolist() if signed else [])
-    return torch.tensor(sorted(values), dtype=torch.float32)
-
-
-@lru_cache(maxsize=2)
-def _map_and_midpoints(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    qmap = dynamic_map(signed)
-    return qmap, (qmap[1:] + qmap[:-1]) / 2
 
 
 @lru_cache(maxsize=1)
@@ -146,21 +131,25 @@ class Bf16Codec(MomentCodec):
 
 
 class Int8Codec(MomentCodec):
+    """Per block of BLOCK elements, the absmax as an fp32 scale and each element divided by it as an 8-bit float
+    code: exp_avg as sign, 4 exponent and 3 mantissa bits, the square root of exp_avg_sq (never negative) as 4
+    exponent and 4 mantissa bits. The exponent spans the 16 binades below 1 (then subnormal steps down to
+    2^-17 or 2^-18); each element takes the nearest code (ties to even), computed on its fp32 bits."""
+
     precision: MomentPrecision = "int8"
     dtype = torch.uint8
 
     def __init__(self, moment: int) -> None:
         super().__init__(moment)
-        self.qmap, self.midpoints = _map_and_midpoints(signed=moment == 0)
+        self.shift = 23 - (3 if moment == 0 else 4)  # fp32 mantissa bits a code drops
+        self.qmap = self._values(torch.arange(256, dtype=torch.int32).to(torch.uint8))  # what each code means
 
     def bytes_for(self, elements: int) -> int:
         """The codes (padded to 4 bytes, so that the scales after them can be read as fp32), then the scales."""
         return _codes_bytes(elements) + 4 * -(-elements // BLOCK)
 
     def zeros(self, elements: int) -> Packed:
-        packed = self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
-        packed.values.fill_(int(torch.searchsorted(self.qmap, 0.0)))
-        return packed
+        return self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
 
     def piece_bytes(self, elements: int, start: int, n: int) -> list[tuple[int, int, int]]:
         """The codes, then the scales of the piece's blocks (`start` on a block boundary)."""
@@ -170,8 +159,20 @@ class Int8Codec(MomentCodec):
         start = _codes_bytes(elements)
         return Packed(raw[:elements], raw[start : start + 4 * -(-elements // BLOCK)].view(torch.float32))
 
+    def _values(self, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq). The code's bits, shifted
+        into an fp32's exponent and mantissa, are that value times 2^-112 (subnormal below 2^-126, exactly as
+        a code below 2^-14 is): one multiplication rebiases it."""
+        bits = (torch.empty(codes.numel(), dtype=torch.int32) if out is None else out.view(torch.int32)).copy_(codes)
+        if self.moment == 0:
+            sign = bits.bitwise_and(0x80).bitwise_left_shift_(24)
+            bits.bitwise_and_(0x7F).bitwise_left_shift_(self.shift).bitwise_or_(sign)
+        else:
+            bits.bitwise_left_shift_(self.shift)
+        return bits.view(torch.float32).mul_(2.0**112)
+
     def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
-        x = torch.index_select(self.qmap, 0, packed.values.int(), out=scratch[: packed.numel()])
+        x = self._values(packed.values, scratch[: packed.numel()])
         _per_block(x).mul_(packed.scales[: x.numel() // BLOCK, None])
         if x.numel() % BLOCK:
             _tail(x).mul_(packed.scales[-1])
@@ -180,19 +181,25 @@ class Int8Codec(MomentCodec):
     def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
         if self.moment == 1:
             x.sqrt_()
-        scales = packed.scales
-        full = x.numel() // BLOCK
-        if self.moment == 0:
-            low, high = torch.aminmax(_per_block(x), dim=1)
-            torch.maximum(-low, high, out=scales[:full])
-        else:
-            torch.amax(_per_block(x), dim=1, out=scales[:full])
+        scales, full = packed.scales, x.numel() // BLOCK
+        torch.amax(_per_block(x).abs(), dim=1, out=scales[:full])
         _per_block(x).div_(scales[:full, None].clamp(min=torch.finfo(torch.float32).tiny))
         if x.numel() % BLOCK:
             tail = _tail(x)
             scales[-1] = tail.abs().max()
             tail.div_(scales[-1].clamp(min=torch.finfo(torch.float32).tiny))
-        packed.values.copy_(torch.bucketize(x, self.midpoints, out_int32=True))
+        packed.values.copy_(self._codes(x))
+
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        """The nearest code of each of `y` (|y| <= 1; clobbered), as int32: y * 2^-112's fp32 bits, rounded to
+        the code's mantissa (ties to even; a carry moves to the next binade), shifted down."""
+        bits = y.mul_(2.0**-112).view(torch.int32)
+        magnitude = bits.bitwise_and(0x7FFFFFFF)
+        odd = magnitude.bitwise_right_shift(self.shift).bitwise_and_(1)
+        magnitude.add_(odd).add_((1 << (self.shift - 1)) - 1).bitwise_right_shift_(self.shift)
+        if self.moment == 0:
+            magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
+        return magnitude
 
 
 def _codes_bytes(elements: int) -> int:

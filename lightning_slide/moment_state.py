@@ -8,7 +8,7 @@ amsgrad), its tensors views of the engine's flat storage, so checkpoints are wri
 - "bf16": the same keys, bf16 tensors.
 - "int8": `exp_avg`, `exp_avg_sq` are uint8 codes of the parameter's shape; `exp_avg_scale`,
   `exp_avg_sq_scale` the fp32 absmax of each block that the parameter's elements fall in; `exp_avg_qmap`,
-  `exp_avg_sq_qmap` the 256 values the codes index (signed and unsigned dynamic maps); `block_size` the
+  `exp_avg_sq_qmap` the 256 values the codes stand for (`moment_codec.Int8Codec`); `block_size` the
   elements per block and `block_offset` where in its first block the parameter starts (blocks run over a
   unit's flat buffer, so a block can span two parameters: both list its scale). Element i of exp_avg is
   `qmap[code[i]] * scale[(block_offset + i) // block_size]`; exp_avg_sq is held as its square root, so its

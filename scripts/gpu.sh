@@ -9,6 +9,11 @@
 #   bash scripts/gpu.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #                                                                                   -> results/capacity/
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
+#   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's config on the built-in corpus,
+#                                       then fine-tuning (benchmarks/compact.py quality; STEPS=, FINETUNE_STEPS=,
+#                                       LAYERS= to fit a time budget)            -> results/compact/
+#   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
+#                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
 # Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
@@ -57,6 +62,20 @@ case "${1:-check}" in
     df -h /tmp | tee -a "$OUT/machine.txt"
     python3 -m benchmarks.e2e --model llama3_3b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 200 \
       --commit "$COMMIT" 2>&1 | tail -3
+    ;;
+  compact)
+    timeout 590 python3 -m benchmarks.compact quality --steps "${STEPS:-500}" --finetune-steps "${FINETUNE_STEPS:-100}" \
+      ${LAYERS:+--layers "$LAYERS"} --out "$OUT" --commit "$COMMIT" 2>&1 | grep -v Warning | tail -60 > "$OUT/compact.log"
+    tail -40 "$OUT/compact.log"
+    ;;
+  compact-capacity)
+    timeout 100 python3 -m benchmarks.compact update --out "$OUT" --commit "$COMMIT" 2>&1 | tail -8
+    for variant in "fp32" "int8" "int8 --clip 1.0"; do
+      set -- $variant
+      timeout 160 python3 -m benchmarks.capacity --model llama3_8b --offload cpu --steps 4 --micro-batch 8 \
+        --moment-precision "$@" --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-${variant// /}.log"
+      tail -14 "$OUT/capacity-8b-${variant// /}.log"
+    done
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"

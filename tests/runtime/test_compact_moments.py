@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 import lightning_slide.layer_adam as layer_adam
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, snapshot
-from lightning_slide.moment_codec import BLOCK, Bf16Codec, Int8Codec, Packed, dynamic_map, noise_position
+from lightning_slide.moment_codec import BLOCK, Bf16Codec, Int8Codec, Packed, noise_position
 from lightning_slide.moments import Moments
 from lightning_slide.planner import ModelShape, Plan, Setup
 from lightning_slide.storage import UnitStorage
@@ -25,24 +25,34 @@ COMPACT = ["bf16", "int8"]
 
 
 # ------------------------------------------------------------------------------------------- plain references
+def magnitudes(signed: bool) -> torch.Tensor:
+    """The 8-bit float codes' magnitudes, by definition: exponent e (4 bits) and mantissa f (3 bits signed, 4
+    unsigned) stand for (1 + f / 2^bits) 2^(e - 15), or f / 2^bits 2^-14 when e = 0."""
+    bits = 3 if signed else 4
+    values = [(f / 2**bits) * 2.0**-14 if e == 0 else (1 + f / 2**bits) * 2.0 ** (e - 15)
+              for e in range(16) for f in range(2**bits)]
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def reference_quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise dynamic 8-bit as the paper states it: per block, scale by the absmax and take the index of the
-    nearest map value (ties to the lower), here as the count of midpoints below the scaled value; exp_avg_sq
-    (unsigned) is quantised as its square root."""
-    qmap = dynamic_map(signed)
+    """Blockwise 8-bit as the paper states it, with the float codes: per block, scale by the absmax and take the
+    nearest code (its sign, and the nearest magnitude; exp_avg_sq as its square root)."""
+    grid = magnitudes(signed)
     x = x if signed else x.sqrt()
-    midpoints = (qmap[1:] + qmap[:-1]) / 2
     codes, scales = [], []
     for block in x.split(BLOCK):
         scale = block.abs().max()
         scales.append(scale)
         y = block / scale.clamp(min=torch.finfo(torch.float32).tiny)
-        codes.append((y[:, None] > midpoints[None, :]).sum(1).to(torch.uint8))
+        code = (y.abs()[:, None] - grid[None, :]).abs().argmin(1)
+        codes.append((code + 128 * torch.signbit(y).long() * signed).to(torch.uint8))
     return torch.cat(codes), torch.stack(scales)
 
 
 def reference_dequantise(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
-    x = dynamic_map(signed)[codes.long()] * scales.repeat_interleave(BLOCK)[: codes.numel()]
+    grid, codes = magnitudes(signed), codes.long()
+    y = torch.where(codes >= 128, -grid[codes % 128], grid[codes % 128]) if signed else grid[codes]
+    x = y * scales.repeat_interleave(BLOCK)[: codes.numel()]
     return x if signed else x.square()
 
 
@@ -58,16 +68,17 @@ def _noise_at(step: int, unit: int, moment: int, start: int, n: int) -> torch.Te
 
 
 # ------------------------------------------------------------------------------------------------- the codecs
-def test_the_dynamic_maps_are_bitsandbytes_own():
-    functional = pytest.importorskip("bitsandbytes.functional")
-    for signed in (True, False):
-        assert torch.equal(dynamic_map(signed), functional.create_dynamic_map(signed=signed))
+def test_each_int8_code_stands_for_its_float_value():
+    for moment, signed in ((0, True), (1, False)):
+        expected = torch.cat([magnitudes(True), -magnitudes(True)]) if signed else magnitudes(False)
+        assert torch.equal(Int8Codec(moment).qmap, expected)
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
-def test_int8_round_trip_is_the_nearest_map_value_of_each_block(signed):
+def test_int8_round_trip_is_the_nearest_code_of_each_block(signed):
     """Magnitudes spread over six decades within each block; the decoded value (exp_avg_sq: its square root) is
-    the nearest the code allows, so the error is at most half the map's gap there, times the block's absmax."""
+    the nearest the code allows: within half a step of the code's mantissa (1/16 of the value for exp_avg, 1/32
+    for the root) above 2^-14 of the block's absmax, and within half the subnormal step below."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5 * BLOCK + 77, generator=g) * 10 ** torch.empty(5 * BLOCK + 77).uniform_(-6, 0, generator=g)
     codec = Int8Codec(0 if signed else 1)
@@ -75,11 +86,11 @@ def test_int8_round_trip_is_the_nearest_map_value_of_each_block(signed):
     codec.encode((x if signed else x.square()).clone(), packed, 1, 0, 0)
     decoded = codec.decode(packed, torch.empty(x.numel()))
     x, decoded = (x, decoded) if signed else (x.abs(), decoded.sqrt())
-    qmap, scales = dynamic_map(signed), packed.scales.repeat_interleave(BLOCK)[: x.numel()]
-    nearest = ((x / scales)[:, None] - qmap[None, :]).abs().min(1).values * scales
+    scales = packed.scales.repeat_interleave(BLOCK)[: x.numel()]
+    nearest = ((x / scales).abs()[:, None] - magnitudes(signed)[None, :]).abs().min(1).values * scales
     assert torch.all((decoded - x).abs() <= nearest + 1e-6 * scales)  # (+ rounding of the test's own arithmetic)
-    gaps = (qmap[1:] - qmap[:-1]).max()
-    assert torch.all((decoded - x).abs() <= gaps / 2 * scales * (1 + 1e-5))
+    step = 2.0 ** -(4 if signed else 5)
+    assert torch.all((decoded - x).abs() <= torch.maximum(step * x.abs(), step * 2.0**-14 * scales) * (1 + 1e-5))
 
 
 def test_bf16_stochastic_rounding_picks_a_neighbour_and_is_unbiased():
@@ -257,7 +268,7 @@ def test_an_int8_checkpoint_holds_codes_scales_and_maps(tmp_path):
         assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.uint8
         n, offset = entry["exp_avg"].numel(), entry["block_offset"]
         assert entry["exp_avg_scale"].numel() == -(-(offset + n) // entry["block_size"])
-        assert torch.equal(entry["exp_avg_sq_qmap"], dynamic_map(signed=False))
+        assert torch.equal(entry["exp_avg_sq_qmap"], Int8Codec(1).qmap)
 
 
 # --------------------------------------------------------------------------------------------- conversion
@@ -321,12 +332,11 @@ def test_an_fp32_checkpoint_resumes_in_an_int8_run(tmp_path):
     trainer(SlideStrategy(moment_precision="int8"), 4, default_root_dir=tmp_path, callbacks=[AtStart()]).fit(
         resumed, DataLoader(batches, batch_size=None), ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
     assert resumed.trainer.global_step == 4
-    gap = float((dynamic_map(True)[1:] - dynamic_map(True)[:-1]).max())
     for i, entry in saved.items():
-        scales = _block_scales(loaded[i], "exp_avg")
+        scales, x = _block_scales(loaded[i], "exp_avg"), entry["exp_avg"].reshape(-1)
         assert loaded[i]["exp_avg"].dtype == torch.uint8
-        assert torch.all((_dequantised_entry(loaded[i], "exp_avg") - entry["exp_avg"].reshape(-1)).abs()
-                         <= gap / 2 * scales * (1 + 1e-5))
+        assert torch.all((_dequantised_entry(loaded[i], "exp_avg") - x).abs()
+                         <= torch.maximum(x.abs() / 16, 2.0**-18 * scales) * (1 + 1e-5))
 
 
 def _block_scales(entry: dict, key: str) -> torch.Tensor:
