@@ -192,11 +192,12 @@ class Int8Codec(MomentCodec):
 
     def _codes(self, y: torch.Tensor) -> torch.Tensor:
         """The nearest code of each of `y` (|y| <= 1; clobbered), as int32: y * 2^-112's fp32 bits, rounded to
-        the code's mantissa (ties to even; a carry moves to the next binade), shifted down."""
+        the code's mantissa (ties to even, as IEEE rounding: a tie is common, e.g. where an element is a
+        simple fraction of its block's absmax; a carry moves to the next binade), shifted down."""
         bits = y.mul_(2.0**-112).view(torch.int32)
-        magnitude = bits.bitwise_and(0x7FFFFFFF)
+        magnitude = bits if self.moment == 1 else bits.bitwise_and(0x7FFFFFFF)  # exp_avg_sq's root: never negative
         odd = magnitude.bitwise_right_shift(self.shift).bitwise_and_(1)
-        magnitude.add_(odd).add_((1 << (self.shift - 1)) - 1).bitwise_right_shift_(self.shift)
+        magnitude.add_(odd.add_((1 << (self.shift - 1)) - 1)).bitwise_right_shift_(self.shift)
         if self.moment == 0:
             magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
         return magnitude

@@ -36,7 +36,7 @@ def magnitudes(signed: bool) -> torch.Tensor:
 
 def reference_quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise 8-bit as the paper states it, with the float codes: per block, scale by the absmax and take the
-    nearest code (its sign, and the nearest magnitude; exp_avg_sq as its square root)."""
+    nearest code (its sign, and the nearest magnitude, the even one at a tie; exp_avg_sq as its square root)."""
     grid = magnitudes(signed)
     x = x if signed else x.sqrt()
     codes, scales = [], []
@@ -44,7 +44,10 @@ def reference_quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
         scale = block.abs().max()
         scales.append(scale)
         y = block / scale.clamp(min=torch.finfo(torch.float32).tiny)
-        code = (y.abs()[:, None] - grid[None, :]).abs().argmin(1)
+        distance = (y.abs()[:, None] - grid[None, :]).abs()
+        nearest = distance == distance.min(1, keepdim=True).values  # one code, or two at a tie: take the even one
+        code = torch.where(nearest.sum(1) > 1, (nearest & (torch.arange(grid.numel()) % 2 == 0)).int().argmax(1),
+                           nearest.int().argmax(1))
         codes.append((code + 128 * torch.signbit(y).long() * signed).to(torch.uint8))
     return torch.cat(codes), torch.stack(scales)
 
