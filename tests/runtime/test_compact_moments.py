@@ -18,7 +18,16 @@ from lightning_slide.moments import Moments
 from lightning_slide.planner import ModelShape, Plan, Setup
 from lightning_slide.storage import UnitStorage
 from lightning_slide.threads import Failure
-from tests.runtime.helpers import VOCAB, CausalLM, fit, param_groups, tiny_model, token_batches, trainer
+from tests.runtime.helpers import (
+    VOCAB,
+    CausalLM,
+    engine_steps,
+    fit,
+    param_groups,
+    tiny_model,
+    token_batches,
+    trainer,
+)
 from tests.runtime.test_planner import LLAMA_8B
 
 COMPACT = ["bf16", "int8"]
@@ -284,12 +293,7 @@ def _engine(model: torch.nn.Module, precision: str) -> tuple[SlideEngine, torch.
 def _trained_state(precision: str) -> tuple[torch.nn.Module, SlideEngine, dict]:
     model = tiny_model("llama")
     engine, optimizer = _engine(model, precision)
-    for x in token_batches(2):
-        engine.new_micro_batch()
-        engine.begin_step()
-        model(input_ids=x, labels=x).loss.backward()
-        engine.end_step()
-    engine.synchronize()
+    engine_steps(engine, model, token_batches(2))
     return model, engine, optimizer.state_dict()
 
 

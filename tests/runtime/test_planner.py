@@ -16,7 +16,16 @@ import lightning_slide.planner as planner
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import GiB, ModelShape, Plan, PlanError, Resources, Setup
 from lightning_slide.step_mode import StepMode
-from tests.runtime.helpers import SEQ, VOCAB, CausalLM, param_groups, tiny_model, token_batches, trainer
+from tests.runtime.helpers import (
+    SEQ,
+    VOCAB,
+    CausalLM,
+    engine_steps,
+    param_groups,
+    tiny_model,
+    token_batches,
+    trainer,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,12 +105,7 @@ def _measure_in_this_process(case: dict) -> dict:
     model = LlamaForCausalLM(LlamaConfig(**SMALL))  # its weights become the master: inside the window
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters(), amsgrad=case["amsgrad"]), config,
                          torch.device("cpu"), dtype, mode)
-    for _ in range(2):
-        engine.new_micro_batch()
-        engine.begin_step()
-        model(input_ids=x, labels=x).loss.backward()
-        engine.end_step()
-        engine.synchronize()
+    engine_steps(engine, model, [x, x])
     with open("/proc/self/status") as status:
         peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
     return {"estimate": estimate, "measured": peak - base}
