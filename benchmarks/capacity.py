@@ -4,6 +4,7 @@ to the planner's prediction.
 
     python -m benchmarks.capacity --model qwen3_14b --steps 3 --micro-batch 8 --out $OUT
     python -m benchmarks.capacity --model llama3_8b --nvme-moments 0.1 --activations nvme --out $OUT
+    python -m benchmarks.capacity --model llama3_8b --offload cpu --moment-precision int8 --clip 1.0 --out $OUT
 
 Writes `capacity-<model>-<offload>.json`: step times, tokens/s, the planner's prediction of what lives where next to
 the measured peaks (host RSS polled every 0.2 s, VRAM allocated/reserved, bytes of the disk tier's files),
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/tmp/lsbench-nvme")
     parser.add_argument("--nvme-moments", type=float, default=None, help="default: the least that fits RAM")
     parser.add_argument("--nvme-master", action="store_true", help="the disk units' fp32 master on disk too")
+    parser.add_argument("--moment-precision", default="fp32", choices=["fp32", "bf16", "int8"])
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (global norm)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
@@ -106,11 +109,13 @@ def main() -> None:
                       batch_size=args.micro_batch)
     disk = dict(nvme_path=str(folder), nvme_moments=args.nvme_moments,
                 nvme_master=args.nvme_master) if args.offload == "nvme" else {}
-    strategy = SlideStrategy(offload=args.offload, activations=args.activations, slots="auto", **disk)
+    strategy = SlideStrategy(offload=args.offload, activations=args.activations, slots="auto",
+                             moment_precision=args.moment_precision, **disk)
     trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=1,
                          precision="bf16-mixed" if device.type == "cuda" else "32-true",
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, callbacks=[clock])
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[clock],
+                         gradient_clip_val=args.clip)
     error = None
     try:
         trainer.fit(module, data)
@@ -131,6 +136,7 @@ def main() -> None:
                     "torch": torch.__version__, "disk_io": backend_name()},
         "model": args.model, "params": n, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         "tokens_per_step": args.micro_batch * args.seq_len, "vram_cap_gib": args.cap_gib,
+        "gradient_clip_val": args.clip, "peak_rss_bytes_per_param": peaks.rss / n,
         "settings": asdict(strategy.config), "wall_s": time.perf_counter() - started,
         "step_s": clock.times,
         "tokens_per_s": args.micro_batch * args.seq_len / (sum(steady) / len(steady)) if steady else None,
@@ -140,9 +146,12 @@ def main() -> None:
             "total_gib": {w: plan.total(w) / GiB for w in ("gpu", "pinned", "ram", "disk")}},
         "engine": clock.stats,
     }
-    out = Path(args.out) / f"capacity-{args.model}-{args.offload}{'-master' if args.nvme_master else ''}.json"
+    variant = ("-master" if args.nvme_master else "") + (
+        f"-{args.moment_precision}" if args.moment_precision != "fp32" else "") + ("-clip" if args.clip else "")
+    out = Path(args.out) / f"capacity-{args.model}-{args.offload}{variant}.json"
     out.write_text(json.dumps(record, indent=2))
-    print(json.dumps({k: record[k] for k in ("ok", "error", "step_s", "tokens_per_s", "measured")}, indent=2))
+    print(json.dumps({k: record[k] for k in ("ok", "error", "step_s", "tokens_per_s", "measured",
+                                             "peak_rss_bytes_per_param")}, indent=2))
 
 
 def _vram(device: torch.device) -> dict:

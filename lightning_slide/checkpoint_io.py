@@ -109,14 +109,17 @@ def exact_storages(checkpoint: Any) -> Any:
     writes bytes nobody asked for. With `nvme_master` it would write the master twice: a unit's file is
     mapped once for its master and once for its moments, and the moments' mapping starts with the master
     (16 instead of 12 bytes per parameter). Re-based tensors share the original memory (a numpy view, no
-    copy); views that overlap or touch share one storage, as before, and share it again when loaded.
+    copy); views of one dtype that overlap or touch share one storage, as before, and share it again when
+    loaded. Views of one buffer in different dtypes (8-bit moments: codes, then fp32 scales) get a storage each,
+    since torch.save refuses one storage seen as two types.
     """
     tensors = [t for t in _tensors(checkpoint) if t.device.type == "cpu" and t.layout == torch.strided
                and not t.requires_grad and t.numel() and t.is_contiguous()]
     replaced: dict[int, torch.Tensor] = {}
     for same_memory in _clusters(tensors, _storage_range, touching=False):
-        for block in _clusters(same_memory, _byte_range, touching=True):
-            replaced.update(_rebase(block))
+        for dtype in {t.dtype for t in same_memory}:  # torch.save keeps one dtype per storage
+            for block in _clusters([t for t in same_memory if t.dtype == dtype], _byte_range, touching=True):
+                replaced.update(_rebase(block))
     if not replaced:
         return checkpoint
     return apply_to_collection(checkpoint, torch.Tensor, lambda t: replaced.get(id(t), t))

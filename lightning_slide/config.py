@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from typing import Any, Literal, Union
 
 Offload = Literal["none", "cpu", "nvme"]
+MomentPrecision = Literal["fp32", "bf16", "int8"]
+INT8_BLOCK = 256  # elements per scale of 8-bit moments (moment_codec.BLOCK)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,14 @@ class SlideConfig:
         and from the files ("auto": where kvikio runs GPUDirect Storage; "on": wherever kvikio is installed and
         the device is CUDA, bouncing through kvikio's own host buffers where GDS is missing; "off": pinned
         host buffers, copied over PCIe by the runtime). Direct costs the staging buffers' GPU memory.
+    moment_precision: how Adam's exp_avg and exp_avg_sq are stored (in RAM and on disk); the fp32 master
+        weights stay fp32 whatever this is. "fp32": exactly torch's AdamW (8 B/param of moments); "bf16": bf16
+        moments rounded stochastically on each write-back (4 B/param); "int8": bitsandbytes-style blockwise
+        dynamic 8-bit moments, one absmax scale per 256 elements (2 B/param). Given the moments as stored, each
+        update of the master is torch's AdamW's; only the moments lose precision. For runs that host RAM (or
+        the disk tier) limits: at 8B, host state drops from 12 to 6 B/param with "int8". Compact moments
+        support Adam and AdamW without amsgrad; checkpoints hold them compact and load into a run of any
+        moment_precision (converted where the precision differs).
     stall_timeout_s: seconds without any background worker (optimizer, copy, disk threads) starting or finishing
         an item, while training waits for them, after which fit stops with an error naming the stalled worker,
         its item and its stack (a hung disk or a deadlock ends the run instead of hanging it); None:
@@ -91,6 +101,7 @@ class SlideConfig:
     nvme_moments: float | None = None
     nvme_master: bool = False
     gds: Literal["auto", "on", "off"] = "auto"
+    moment_precision: MomentPrecision = "fp32"
     stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +113,8 @@ class SlideConfig:
             "recompute": self.recompute in ("auto", "always", "never"),
             "h2d_source": self.h2d_source in ("master", "shadow"),
             "block_grad_buffers": self.block_grad_buffers >= 2,
-            "chunk_elems": self.chunk_elems >= 1024,
+            "chunk_elems": self.chunk_elems >= 1024 and (
+                self.moment_precision != "int8" or self.chunk_elems % INT8_BLOCK == 0),
             "mlp_tile_tokens": self.mlp_tile_tokens in (None, "auto") or (
                 type(self.mlp_tile_tokens) is int and self.mlp_tile_tokens >= 1),
             "loss_chunk_mib": self.loss_chunk_mib >= 1,
@@ -110,6 +122,7 @@ class SlideConfig:
             "nvme_moments": self.nvme_moments is None or (0 <= self.nvme_moments <= 1 and self.offload == "nvme"),
             "nvme_master": not self.nvme_master or self.offload == "nvme",
             "gds": self.gds in ("auto", "on", "off"),
+            "moment_precision": self.moment_precision in ("fp32", "bf16", "int8"),
             "stall_timeout_s": self.stall_timeout_s is None or (
                 isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
                 and self.stall_timeout_s > 0),
@@ -175,12 +188,14 @@ _HINTS = {
     "recompute": "Choose 'auto' (keep graphs where VRAM is spare), 'always' (least memory) or 'never'.",
     "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
-    "chunk_elems": "Use at least 1024 elements per gradient chunk.",
+    "chunk_elems": f"Use at least 1024 elements per gradient chunk, a multiple of {INT8_BLOCK} with "
+                   "moment_precision='int8' (a chunk's update then covers whole 8-bit blocks).",
     "mlp_tile_tokens": "Give a positive number of tokens per MLP tile, 'auto' (long micro-batches on CUDA) or None.",
     "loss_chunk_mib": "Give the fused loss's logits buffer at least 1 MiB (63 keeps the loss under 64 MiB).",
     "grad_buffers": "Use at least 2 pinned gradient landing buffers so copies overlap the update.",
     "nvme_moments": "Give a fraction between 0 and 1, together with offload='nvme' (the disk tier).",
     "nvme_master": "The master weights go to disk only with offload='nvme' (the disk tier).",
     "gds": "Choose 'auto' (GPUDirect Storage where kvikio uses it), 'on' or 'off' (pinned host staging).",
+    "moment_precision": "Choose 'fp32' (exact AdamW), 'bf16' (stochastically rounded) or 'int8' (blockwise 8-bit).",
     "stall_timeout_s": "Give a positive number of seconds, or None to scale it from the longest item (at least 300 s).",
 }

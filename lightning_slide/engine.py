@@ -32,6 +32,7 @@ from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import GraphBudget
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
 from lightning_slide.materialize import materialize_
+from lightning_slide.moment_state import load_unit, saved_entries, state_entries, without_moments
 from lightning_slide.moments import Moments, disk_units, unit_file
 from lightning_slide.norm import GlobalNorm
 from lightning_slide.parts import Binding, Call, Part, PartFunction, run_part
@@ -103,7 +104,7 @@ class SlideEngine:
     def _setup_host_state(self, root: nn.Module, optimizer: Optimizer | None) -> dict[int, DiskFile]:
         """Flat host storage per unit (parameters become views of it), the parts that bind them, the disk tier."""
         specs = causal_lm_units(self.model)
-        group_of = _group_index(optimizer, root) if optimizer is not None else {}
+        group_of = _group_index(optimizer, root, self.config.moment_precision) if optimizer is not None else {}
         owner, owned = _ownership(specs)
         config = self.config
         self.tier = TierDirectory(config.nvme_path or tempfile.gettempdir()) if config.offload == "nvme" else None
@@ -125,7 +126,7 @@ class SlideEngine:
     def _setup_optimizer_and_window(self, files: dict[int, DiskFile]) -> None:
         """The Adam state's tiers, the optimizer thread, and the GPU window of weight slots and gradient buffers."""
         config = self.config
-        self.moments = Moments(self.storages, files, self._chunk_elems(), self.failure)
+        self.moments = Moments(self.storages, files, self._chunk_elems(), self.failure, config.moment_precision)
         self.adam = LayerAdam(self.storages, self.moments, self.failure)
         self.window = Window(self.storages, self._dedicated, config.initial_slots, self.dtype, self.device,
                              self.h2d, self.adam, self.optimizer is not None, config.chunk_elems,
@@ -212,7 +213,8 @@ class SlideEngine:
         """The disk-tier file of each unit whose moments (and, with nvme_master, fp32 master) live on disk."""
         numel = [sum(p.numel() for p in params) for params in owned]
         trainable = [sum(p.numel() for p in params if id(p) in group_of) for params in owned]
-        return {u: unit_file(self.tier, u, specs[u].name, numel[u] if self.config.nvme_master else 0, trainable[u])
+        return {u: unit_file(self.tier, u, specs[u].name, numel[u] if self.config.nvme_master else 0, trainable[u],
+                             self.config.moment_precision)
                 for u in disk_units(trainable, self.config.nvme_moments or 0.0)}
 
     def _add_host_state(self, optimizer: Optimizer | None) -> None:
@@ -233,13 +235,14 @@ class SlideEngine:
                     m._buffers[name] = buf.to(self.device)
 
     def _bind_optimizer_state(self) -> None:
-        """Expose the flat Adam state as torch's own per-parameter state, so state_dict() is standard: each
-        parameter has its own step tensor, as in torch's AdamW, which increments them in place after loading."""
+        """Expose the flat Adam state as torch's own per-parameter state, so state_dict() is standard (with
+        compact moments in the form `moment_state` describes): each parameter has its own step tensor, as in
+        torch's AdamW, which increments them in place after loading."""
         self._step_tensors = []
         for s in self.storages:
             for p in (q for q in s.params if s.offsets[id(q)] < s.trainable_numel):
                 self._step_tensors.append(step := torch.tensor(float(self._step)))
-                state = {"step": step, "exp_avg": s.view(s.exp_avg, p), "exp_avg_sq": s.view(s.exp_avg_sq, p)}
+                state = {"step": step, **state_entries(s, p, self.moments.codecs)}
                 if s.max_exp_avg_sq is not None:
                     state["max_exp_avg_sq"] = s.view(s.max_exp_avg_sq, p)
                 self.optimizer.state[p] = state
@@ -452,19 +455,20 @@ class SlideEngine:
         self.window.reset()
 
     def load_optimizer_state(self, state_dict: dict) -> None:
-        """Load a torch Adam state_dict into the flat state (keeps torch's own id/group mapping)."""
+        """Load a torch Adam state_dict into the flat state (keeps torch's own id/group mapping). Its moments may
+        be in any `moment_precision`: they are converted to this run's (`moment_state`)."""
         self.synchronize()
-        self.optimizer.load_state_dict(state_dict)
+        saved = saved_entries(state_dict, self.optimizer)
+        self.optimizer.load_state_dict(without_moments(state_dict))
         steps = []
         for s in self.storages:
+            load_unit(s, saved, self.moments.codecs)
             for p in s.params:
                 state = self.optimizer.state.get(p)
                 if not state or s.offsets[id(p)] >= s.trainable_numel:
                     continue
-                flats = (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq), ("max_exp_avg_sq", s.max_exp_avg_sq))
-                for key, flat in flats:
-                    if flat is not None and key in state:
-                        s.view(flat, p).copy_(state[key])
+                if s.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
+                    s.view(s.max_exp_avg_sq, p).copy_(state["max_exp_avg_sq"])
                 steps.append(int(state["step"]))
         self._step = max(steps, default=0)
         self._bind_optimizer_state()
@@ -523,9 +527,9 @@ def _ownership(specs: list) -> tuple[dict[int, int], list[list[nn.Parameter]]]:
     return owner, owned
 
 
-def _group_index(optimizer: Optimizer, root: nn.Module) -> dict[int, int]:
+def _group_index(optimizer: Optimizer, root: nn.Module, precision: str = "fp32") -> dict[int, int]:
     """param id -> index of its optimizer group, for trainable params; checks the optimizer fits the model."""
-    validate_optimizer(optimizer)
+    validate_optimizer(optimizer, precision)
     in_model = {id(p) for p in root.parameters()}
     group_of: dict[int, int] = {}
     for g, group in enumerate(optimizer.param_groups):

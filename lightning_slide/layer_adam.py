@@ -2,8 +2,10 @@
 
 The math is torch's own (`torch._fused_adamw_` / `torch._fused_adam_`, the kernels behind
 `torch.optim.AdamW(fused=True)`, 4x faster than foreach on the CPU), applied per contiguous param-group
-segment of a unit's flat buffer. Hyperparameters are snapshotted when a step is launched, because Lightning
-steps the LR scheduler while this thread may still be updating that step's units.
+segment of a unit's flat buffer. Compact moments (`moment_precision` "bf16" or "int8") are widened to fp32 a
+piece at a time for that call and written back after it (`moment_codec`). Hyperparameters are snapshotted
+when a step is launched, because Lightning steps the LR scheduler while this thread may still be updating
+that step's units.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Adam, AdamW, Optimizer
 
+from lightning_slide.moment_codec import SCRATCH_ELEMS, MomentPrecision
 from lightning_slide.moments import Moments
 from lightning_slide.norm import GlobalNorm
 from lightning_slide.storage import UnitStorage
@@ -75,8 +78,8 @@ def snapshot(optimizer: Optimizer, step: int, clip_norm: float | None) -> StepPl
     return StepPlan(step, groups, GlobalNorm(clip_norm) if clip_norm is not None else None)
 
 
-def validate_optimizer(optimizer: Optimizer) -> None:
-    """Only what Layer-Adam reproduces exactly may pass."""
+def validate_optimizer(optimizer: Optimizer, precision: MomentPrecision = "fp32") -> None:
+    """Only what Layer-Adam reproduces exactly (or, with compact moments, runs on them) may pass."""
     if not isinstance(optimizer, Adam):
         raise TypeError(
             f"The slideformer strategy runs the optimizer step itself and supports torch.optim.AdamW and "
@@ -86,6 +89,10 @@ def validate_optimizer(optimizer: Optimizer) -> None:
     for g in optimizer.param_groups:
         if g.get("capturable") or g.get("differentiable"):
             raise ValueError("Adam(capturable=True) / Adam(differentiable=True) are not supported by slideformer.")
+        if g["amsgrad"] and precision != "fp32":
+            raise ValueError(
+                f"moment_precision={precision!r} keeps Adam's moments compact, which amsgrad's running maximum of "
+                "exp_avg_sq is not: use moment_precision='fp32' with amsgrad=True, or amsgrad=False.")
 
 
 def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, master: torch.Tensor,
@@ -165,16 +172,30 @@ class LayerAdam:
         self.applied = [0] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
         self._wide: torch.Tensor | None = None  # fp32 pieces of gradients held in the compute dtype
+        largest = max((s.trainable_numel for s in storages), default=0)
+        self.compact = moments.precision != "fp32"
+        self.scratch = [torch.empty(self.scratch_elems(largest, moments.precision)) for _ in range(2)]
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     @staticmethod
-    def widen_elems(largest_trainable: int) -> int:
-        """The fp32 piece a gradient held in the compute dtype is widened in (`_widened_adam`)."""
-        return min(WIDEN_ELEMS, largest_trainable)
+    def scratch_elems(largest_trainable: int, precision: MomentPrecision) -> int:
+        """Elements of each fp32 buffer that compact moments are widened into for an update (none for fp32)."""
+        return 0 if precision == "fp32" else min(SCRATCH_ELEMS, largest_trainable)
 
     @classmethod
-    def widen_bytes(cls, largest_trainable: int) -> int:
-        return 4 * cls.widen_elems(largest_trainable)
+    def scratch_bytes(cls, largest_trainable: int, precision: MomentPrecision) -> int:
+        """Both moments' fp32 scratch."""
+        return 2 * 4 * cls.scratch_elems(largest_trainable, precision)
+
+    @staticmethod
+    def widen_elems(largest_trainable: int, precision: MomentPrecision = "fp32") -> int:
+        """The fp32 piece a gradient held in the compute dtype is widened in (`_update`): one compact piece with
+        compact moments."""
+        return min(SCRATCH_ELEMS if precision != "fp32" else WIDEN_ELEMS, largest_trainable)
+
+    @classmethod
+    def widen_bytes(cls, largest_trainable: int, precision: MomentPrecision = "fp32") -> int:
+        return 4 * cls.widen_elems(largest_trainable, precision)
 
     def schedule(self, unit: int) -> None:
         self.scheduled[unit] += 1
@@ -220,22 +241,28 @@ class LayerAdam:
             self.work_s[unit] += time.perf_counter() - start
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
-        state, done = self.moments.open(unit, start, grad.numel())
-        if grad.dtype == torch.float32:
-            adam_(self.storages[unit], plan, start, grad, *state)
-        else:  # a gradient held in the compute dtype: torch's fused AdamW takes fp32 grads for fp32 weights
-            self._widened_adam(unit, plan, start, grad, state)
+        """AdamW over [start, start + len(grad)) of `unit`, in pieces where something is widened to fp32 first: a
+        gradient held in the compute dtype (torch's fused AdamW takes fp32 grads for fp32 weights) or compact
+        moments; each piece's compact moments are written back before the next is read."""
+        (master, *moments), done = self.moments.open(unit, start, grad.numel())
+        n, codecs = grad.numel(), self.moments.codecs
+        piece = SCRATCH_ELEMS if self.compact else n if grad.dtype == torch.float32 else WIDEN_ELEMS
+        for a in range(0, n, piece):
+            b = min(a + piece, n)
+            wide = [c.decode(m[a:b], s) for c, m, s in zip(codecs, moments, self.scratch)]
+            adam_(self.storages[unit], plan, start + a, self._widened(grad[a:b]), master[a:b], *wide)
+            for c, x, m in zip(codecs, wide, moments):
+                c.encode(x, m[a:b], plan.step, unit, start + a)
         done()
 
-    def _widened_adam(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor,
-                      state: list[torch.Tensor]) -> None:
-        """AdamW over a low-precision gradient, widened to fp32 one piece at a time into one reused buffer."""
+    def _widened(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` in fp32: as it is, or copied into one reused buffer."""
+        if grad.dtype == torch.float32:
+            return grad
         if self._wide is None:
-            self._wide = torch.empty(self.widen_elems(max(s.trainable_numel for s in self.storages)))
-        for a in range(0, grad.numel(), WIDEN_ELEMS):
-            b = min(a + WIDEN_ELEMS, grad.numel())
-            wide = self._wide[: b - a].copy_(grad[a:b])
-            adam_(self.storages[unit], plan, start + a, wide, *(t[a:b] for t in state))
+            self._wide = torch.empty(self.widen_elems(max(s.trainable_numel for s in self.storages),
+                                                      self.moments.precision))
+        return self._wide[: grad.numel()].copy_(grad)
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
         """Start the sums with the window's first gradient, or add a later one and measure the sums when they are

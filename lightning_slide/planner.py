@@ -23,6 +23,7 @@ from lightning_slide.config import SlideConfig
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
 from lightning_slide.layer_adam import LayerAdam
+from lightning_slide.moment_codec import moment_bytes, table_bytes
 from lightning_slide.moments import READ_AHEAD, Moments, disk_units, unit_file_bytes
 from lightning_slide.step_mode import StepMode
 from lightning_slide.storage import UnitStorage
@@ -255,17 +256,24 @@ def _saved_inputs_go(setup: Setup, acts: int, gpu_left: int | None) -> str:
 def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     """storage.py + moments.py: fp32 master (pinned on CUDA, or on disk), Adam moments (RAM or disk), extras."""
     n, t = shape.numel, shape.trainable if setup.training else 0
-    on_disk = [shape.units[u] for u in _moments_on_disk(shape, setup)]
+    disk = _moments_on_disk(shape, setup)
+    on_disk = [shape.units[u] for u in disk]
     master_on_disk = sum(u.numel for u in on_disk) if setup.config.nvme_master else 0
-    moments_on_disk = sum(u.trainable for u in on_disk)
+    precision = setup.config.moment_precision
+    in_ram = sum(moment_bytes(precision, u.trainable) for i, u in enumerate(shape.units) if i not in disk)
     more_disk = ("a larger nvme_moments" if setup.config.offload == "nvme"
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
+    if precision != "int8":
+        more_disk += ", or moment_precision='int8' (2 B/param instead of 8, bf16: 4)"
     entries = [
         Entry("fp32 master weights", setup.pinned, UnitStorage.bytes_for("master", n - master_on_disk),
               "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
-        Entry("Adam exp_avg + exp_avg_sq (fp32)", "ram", UnitStorage.bytes_for("moments", t - moments_on_disk),
-              more_disk),
+        Entry(f"Adam exp_avg + exp_avg_sq ({precision})", "ram", in_ram if setup.training else 0, more_disk),
     ]
+    if setup.training and precision != "fp32":
+        largest = max(u.trainable for u in shape.units)
+        what = f"{precision} moments' fp32 update scratch" + (" + rounding table" if precision == "bf16" else "")
+        entries.append(Entry(what, "ram", LayerAdam.scratch_bytes(largest, precision) + table_bytes(precision)))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
     if setup.training and setup.mode.sums:
@@ -288,11 +296,12 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
 def _disk_state(shape: ModelShape, setup: Setup, on_disk: list[UnitSize], with_master: bool) -> list[Entry]:
     """moments.py: the disk units' files (moments, and the master with nvme_master) and the read-ahead buffers."""
     what = "fp32 master + Adam moments" if with_master else "Adam exp_avg + exp_avg_sq"
-    files = sum(align(unit_file_bytes(u.numel if with_master else 0, u.trainable)) for u in on_disk)
+    precision = setup.config.moment_precision
+    files = sum(align(unit_file_bytes(u.numel if with_master else 0, u.trainable, precision)) for u in on_disk)
     chunk = _gradient_chunk(shape, setup)
-    return [Entry(f"{what} on disk", "disk", files, "a smaller nvme_moments"),
+    return [Entry(f"{what} ({precision}) on disk", "disk", files, "a smaller nvme_moments"),
             Entry(f"disk state read-ahead buffers ({READ_AHEAD} x chunk)", "ram",
-                  Moments.read_ahead_bytes(with_master, chunk), "a smaller chunk_elems")]
+                  Moments.read_ahead_bytes(with_master, chunk, precision), "a smaller chunk_elems")]
 
 
 def _gradient_chunk(shape: ModelShape, setup: Setup) -> int:
@@ -387,7 +396,8 @@ def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) ->
                      setup.pinned, own, "gradient_clip_val=None (no clipping)")]
     if setup.low_precision:
         entries.append(Entry("fp32 widening piece of held gradients", "ram",
-                             LayerAdam.widen_bytes(max(u.trainable for u in shape.units))))
+                             LayerAdam.widen_bytes(max(u.trainable for u in shape.units),
+                                                   setup.config.moment_precision)))
     return entries
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_slide.moment_codec import MomentCodec, Packed
 from lightning_slide.tiers import DiskFile
 
 
@@ -42,7 +43,8 @@ class UnitStorage:
 
     `master` holds every parameter the unit owns (fp32): pinned RAM, or, given `master_file` (the unit's
     disk-tier file, nvme_master), a shared mapping of the file's first `numel` elements (never pinned).
-    `exp_avg`/`exp_avg_sq` cover the trainable prefix (in RAM, or mapped from the disk tier: `moments.py`).
+    `exp_avg`/`exp_avg_sq` cover the trainable prefix, each a `Packed` moment in the run's `moment_precision`
+    (in RAM, or mapped from the disk tier: `moments.py`).
     After construction each owned `nn.Parameter` is a view into `master`, so the user's optimizer, the
     module's state_dict and the checkpoint all see the master weights without a copy.
     """
@@ -70,20 +72,21 @@ class UnitStorage:
         self.on_disk = master_file is not None
         self.master = self._adopt(self.params, master_file.map(self.numel) if self.on_disk else torch.empty(self.numel))
         self.pinned = not self.on_disk and pin_(self.master)
-        self.exp_avg = self.exp_avg_sq = torch.empty(0)
+        self.exp_avg = self.exp_avg_sq = Packed(torch.empty(0))
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.shadow: torch.Tensor | None = None
         self.grad_acc: torch.Tensor | None = None
         self.acc_pinned = False
 
     # Bytes per element of each host buffer a unit may have (the shadow is in the compute dtype).
-    ELEMENT_BYTES = {"master": 4, "moments": 8, "amsgrad": 4, "sums": 4}
+    # The moments' bytes depend on their precision: `moment_codec.moment_bytes`.
+    ELEMENT_BYTES = {"master": 4, "amsgrad": 4, "sums": 4}
 
     @classmethod
     def bytes_for(cls, buffer: str, elements: int, dtype: torch.dtype | None = None) -> int:
-        """Host bytes of `buffer` over `elements`: "master" (fp32, all owned parameters), "moments" (exp_avg and
-        exp_avg_sq, fp32, the trainable prefix), "amsgrad" (max_exp_avg_sq), "sums" (fp32 gradient sums of an
-        accumulation window), or "shadow" (the compute-dtype copy loads read, `dtype`)."""
+        """Host bytes of `buffer` over `elements`: "master" (fp32, all owned parameters), "amsgrad"
+        (max_exp_avg_sq), "sums" (fp32 gradient sums of an accumulation window), or "shadow" (the compute-dtype
+        copy loads read, `dtype`)."""
         if buffer == "shadow":
             return elements * torch.empty(0, dtype=dtype).element_size()
         return elements * cls.ELEMENT_BYTES[buffer]
@@ -128,9 +131,8 @@ class UnitStorage:
         self.grad_acc = torch.empty(self.trainable_numel, dtype=dtype)
         self.acc_pinned = pin_(self.grad_acc)
 
-    def add_moments(self) -> None:
-        self.exp_avg = torch.zeros(self.trainable_numel)
-        self.exp_avg_sq = torch.zeros(self.trainable_numel)
+    def add_moments(self, codecs: tuple[MomentCodec, MomentCodec]) -> None:
+        self.exp_avg, self.exp_avg_sq = (codec.zeros(self.trainable_numel) for codec in codecs)
 
     def add_amsgrad_state(self) -> None:
         self.max_exp_avg_sq = torch.zeros(self.trainable_numel)

@@ -13,6 +13,13 @@
 #                                       the cost of 8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
 #                                       `long` ladders: 8B at 65,536 and 131,072 tokens, 3B at 131,072 and 262,144
 #                                       (about 7 minutes; 10 if the planner admits 3B at 262,144)  -> results/long/
+#   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's shapes with 8 of its 16 blocks
+#                                       (3 precisions x 500 steps of the whole 1B do not fit 8 minutes: the CPU
+#                                       update binds at 4x512 tokens) on the built-in corpus, then fine-tuning
+#                                       (benchmarks/compact.py quality; STEPS=500, FINETUNE_STEPS=80, LAYERS=8)
+#                                                                                   -> results/compact/
+#   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
+#                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
 #   bash scripts/gpu.sh crash   the whole crash cycle at 1B: the run uninterrupted, then checkpoint, SIGKILL,
@@ -83,6 +90,20 @@ case "${1:-check}" in
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.run --cases long --out "$OUT" \
       --commit "$COMMIT"
     df -h /tmp | tee -a "$OUT/machine.txt"
+    ;;
+  compact)
+    timeout 590 python3 -m benchmarks.compact quality --steps "${STEPS:-500}" --finetune-steps "${FINETUNE_STEPS:-80}" \
+      --layers "${LAYERS:-8}" --out "$OUT" --commit "$COMMIT" 2>&1 | grep -v Warning | tail -60 > "$OUT/compact.log"
+    tail -40 "$OUT/compact.log"
+    ;;
+  compact-capacity)
+    timeout 100 python3 -m benchmarks.compact update --out "$OUT" --commit "$COMMIT" 2>&1 | tail -8
+    for variant in "fp32" "int8" "int8 --clip 1.0"; do
+      set -- $variant
+      timeout 160 python3 -m benchmarks.capacity --model llama3_8b --offload cpu --steps 4 --micro-batch 8 \
+        --moment-precision "$@" --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-${variant// /}.log"
+      tail -14 "$OUT/capacity-8b-${variant// /}.log"
+    done
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"

@@ -288,3 +288,27 @@ def test_the_packing_benchmark_trains_both_modes_and_packing_pads_less(tmp_path)
     assert packed["padding"] < padded["padding"] and packed["real_tokens"] > padded["real_tokens"]
     assert packed["report"].startswith("packing: ") and padded["report"] is None
     assert {"command", "commit", "date", "machine", "model_config", "vram_cap_gib"} <= set(saved)
+
+
+def test_the_compact_moments_benchmark_compares_each_precision_with_fp32_in_both_phases(tmp_path) -> None:
+    """A tiny model on the CPU: pretraining from one seed, then fine-tuning from the fp32 run's checkpoint."""
+    import sys
+
+    from benchmarks import compact
+
+    argv = ["compact", "quality", "--model", "tiny", "--steps", "4", "--finetune-steps", "3", "--val-every", "2",
+            "--val-batches", "1", "--micro-batch", "2", "--seq-len", "32", "--out", str(tmp_path),
+            "--scratch", str(tmp_path / "scratch")]
+    sys_argv, sys.argv = sys.argv, argv
+    try:
+        compact.main()
+    finally:
+        sys.argv = sys_argv
+    record = json.loads((tmp_path / "compact-quality.json").read_text())
+    assert set(record["summary"]) == {f"{phase}/{p}" for phase in ("pretrain", "finetune") for p in ("bf16", "int8")}
+    starts = {p: run["first_train_loss"] for p, run in record["pretrain"].items()}
+    assert len(set(starts.values())) == 1  # same model, seed and first batch for every precision
+    assert all(len(run["train_loss"]) == 3 for run in record["finetune"].values())
+    finetune_starts = {run["first_train_loss"] for run in record["finetune"].values()}
+    assert len(finetune_starts) == 1  # each precision starts from the fp32 run's weights
+    assert (tmp_path / "compact-quality.png").exists() and not (tmp_path / "scratch" / "fp32-pretrained.ckpt").exists()

@@ -112,6 +112,16 @@ def fit(model: torch.nn.Module, batches: list[torch.Tensor], strategy, steps: in
     return module
 
 
+def engine_steps(engine, model: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+    """Train through the engine's step protocol as a plain loop does (no Lightning): one backward per step."""
+    for x in batches:
+        engine.new_micro_batch()
+        engine.begin_step()
+        model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+        engine.synchronize()
+
+
 def reference(model: torch.nn.Module, batches: list[torch.Tensor], steps: int, accumulate: int = 1,
               clip: float | None = None, optimizer: type = torch.optim.AdamW, device: str = "cpu",
               optimizer_kwargs: dict | None = None) -> torch.nn.Module:

@@ -16,7 +16,16 @@ import lightning_slide.planner as planner
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy
 from lightning_slide.planner import GiB, ModelShape, Plan, PlanError, Resources, Setup
 from lightning_slide.step_mode import StepMode
-from tests.runtime.helpers import SEQ, VOCAB, CausalLM, param_groups, tiny_model, token_batches, trainer
+from tests.runtime.helpers import (
+    SEQ,
+    VOCAB,
+    CausalLM,
+    engine_steps,
+    param_groups,
+    tiny_model,
+    token_batches,
+    trainer,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,12 +40,20 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 def _engine_bytes(engine: SlideEngine) -> int:
     """Every buffer the engine allocated at construction: host state, slots, landing ring."""
     state = [t for s in engine.storages
-             for t in (s.master, s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.shadow, s.grad_acc)]
+             for t in (s.master, s.max_exp_avg_sq, s.shadow, s.grad_acc, *_packed(s.exp_avg), *_packed(s.exp_avg_sq))]
+    state += engine.adam.scratch + [codec.noise for codec in engine.moments.codecs[:1] if hasattr(codec, "noise")]
     window = engine.window
     slots = [s.params for s in [*window.ring, *window.dedicated.values()]] + [
         b.grads for b in [*window.block_grads, *window.dedicated_grads.values()]]
     landing = engine.pump.ring.buffers if engine.pump else []
     return sum(t.numel() * t.element_size() for t in [*state, *slots, *landing] if t is not None)
+
+
+def _packed(moment) -> list[torch.Tensor]:
+    """A moment's tensors; an 8-bit moment's scales follow its codes in one buffer, padded to 4 bytes."""
+    if moment.scales is None:
+        return [moment.values]
+    return [torch.empty(0, dtype=torch.uint8).set_(moment.values.untyped_storage())]
 
 
 @pytest.mark.parametrize(
@@ -47,6 +64,8 @@ def _engine_bytes(engine: SlideEngine) -> int:
         ("llama", torch.bfloat16, True, {"mode": StepMode(clip_norm=1.0)}),
         ("qwen3", torch.bfloat16, True, {"config": SlideConfig(h2d_source="shadow", chunk_elems=1024)}),
         ("llama", torch.float32, True, {"config": SlideConfig(block_grad_buffers=5)}),
+        ("llama", torch.bfloat16, True, {"config": SlideConfig(moment_precision="int8")}),
+        ("qwen2-tied", torch.float32, True, {"config": SlideConfig(moment_precision="bf16", chunk_elems=1024)}),
         ("mistral", torch.float32, False, {}),
     ],
 )
@@ -86,12 +105,7 @@ def _measure_in_this_process(case: dict) -> dict:
     model = LlamaForCausalLM(LlamaConfig(**SMALL))  # its weights become the master: inside the window
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters(), amsgrad=case["amsgrad"]), config,
                          torch.device("cpu"), dtype, mode)
-    for _ in range(2):
-        engine.new_micro_batch()
-        engine.begin_step()
-        model(input_ids=x, labels=x).loss.backward()
-        engine.end_step()
-        engine.synchronize()
+    engine_steps(engine, model, [x, x])
     with open("/proc/self/status") as status:
         peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
     return {"estimate": estimate, "measured": peak - base}

@@ -1,0 +1,233 @@
+"""How Adam's moments are stored: fp32 (exact), bf16 with stochastic rounding, or blockwise dynamic 8-bit.
+
+A run's `moment_precision` picks one codec per moment. Each moment of a unit is a `Packed`: its `values`
+over the unit's trainable elements (fp32, bf16, or uint8 codes) and, for 8-bit, one fp32 scale per block of
+`BLOCK` elements of the unit's flat buffer. The optimizer thread updates a compact moment one piece of at
+most `SCRATCH_ELEMS` elements at a time: `decode` widens the piece into an fp32 scratch buffer, torch's fused
+AdamW updates the fp32 master with it, and `encode` writes it back. Given the decoded moments, the master's
+update is torch's AdamW's exactly; only the moments lose precision, on the write-back.
+
+- "bf16": the moments rounded stochastically to bf16 (round-to-nearest would lose every update smaller than
+  half a bf16 ulp of the moment, which is most of them once beta2 = 0.999 has averaged in many steps). The
+  random bits come from a fixed table at a position set by the step, the unit, the moment and the element's
+  index, so a rerun, a resume and the disk tier all round exactly alike (`noise_position`).
+- "int8": blockwise dynamic quantisation as in bitsandbytes' 8-bit Adam (Dettmers et al., "8-bit Optimizers
+  via Block-wise Quantization", ICLR 2022): each block of 256 elements is scaled by its absmax and every
+  element is stored as an 8-bit code of a non-linear map, signed for exp_avg; exp_avg_sq is stored as its
+  square root. The map is a small float (`Int8Codec`): the same relative precision at every magnitude over
+  five decades below the block's absmax, which keeps small moments away from zero (a linear 8-bit code would
+  round most of a block's exp_avg_sq to 0 and turn their updates into m / eps). bitsandbytes' own map is a
+  table whose nearest entry takes a binary search per element: with torch ops on the CPU (`torch.bucketize`)
+  that ran at 12-20 M elements/s per core, 50 times slower than the update itself, where the float code is a
+  few integer operations. The square root is what the update divides by, and it spans half the decades of
+  exp_avg_sq within a block, so elements far below their block's largest keep more digits
+  (docs/alternatives.md has the measurements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from lightning_slide.config import INT8_BLOCK, MomentPrecision
+
+BLOCK = INT8_BLOCK  # int8: elements per absmax scale (bitsandbytes' block for its 8-bit blockwise optimizers)
+SCRATCH_ELEMS = 1 << 18  # a compact update's piece: its fp32 moments are 1 MiB each, within the CPU's L2/L3
+NOISE_PERIOD = 1 << 20  # bf16: the stochastic-rounding table's length (random 16-bit values)
+_LOW16 = 0xFFFF0000 - (1 << 32)  # as int32: the mask that drops an fp32's low 16 bits (what bf16 keeps)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One moment over a contiguous range of a unit's trainable elements."""
+
+    values: torch.Tensor  # fp32 or bf16 moments, or uint8 codes of the dynamic map
+    scales: torch.Tensor | None = None  # int8: the absmax of each block (the last one may be partial)
+
+    def numel(self) -> int:
+        return self.values.numel()
+
+    def __getitem__(self, piece: slice) -> Packed:
+        """Elements [start, stop) of the range; an int8 piece starts on a block boundary."""
+        start, stop, _ = piece.indices(self.numel())
+        if self.scales is None:
+            return Packed(self.values[start:stop])
+        if start % BLOCK:
+            raise ValueError(f"An 8-bit moment piece must start on a block boundary (of {BLOCK}), not at {start}.")
+        return Packed(self.values[start:stop], self.scales[start // BLOCK : -(-stop // BLOCK)])
+
+
+@lru_cache(maxsize=1)
+def _noise() -> torch.Tensor:
+    """Random 16-bit values (int32), NOISE_PERIOD + SCRATCH_ELEMS of them, the same in every process."""
+    g = torch.Generator().manual_seed(0x5EED)
+    return torch.randint(0, 1 << 16, (NOISE_PERIOD + SCRATCH_ELEMS,), generator=g, dtype=torch.int32)
+
+
+def noise_position(step: int, unit: int, moment: int, index: int) -> int:
+    """Where in the noise table element `index` of a unit's moment starts at `step` (a fixed mix of the four)."""
+    return (index + step * 0x9E3779B1 + unit * 0x85EBCA77 + moment * 0xC2B2AE3D) % NOISE_PERIOD
+
+
+def stochastic_round_(x: torch.Tensor, position: int) -> torch.Tensor:
+    """Round fp32 `x` in place to bf16-representable values: up in magnitude with the probability of the
+    dropped 16 bits (adding a uniform 16-bit integer to them carries into the kept bits that often)."""
+    bits = x.view(torch.int32)
+    bits.add_(_noise()[position : position + x.numel()])
+    return bits.bitwise_and_(_LOW16).view(torch.float32)
+
+
+class MomentCodec:
+    """fp32 moments as they are: decoding hands out the stored tensor itself and encoding has nothing to do."""
+
+    precision: MomentPrecision = "fp32"
+    dtype = torch.float32  # what `values` holds
+
+    def __init__(self, moment: int) -> None:
+        self.moment = moment  # 0: exp_avg (signed), 1: exp_avg_sq (non-negative)
+
+    def bytes_for(self, elements: int) -> int:
+        """Host bytes of this moment over `elements` (one unit's trainable range)."""
+        return elements * torch.empty(0, dtype=self.dtype).element_size()
+
+    def zeros(self, elements: int) -> Packed:
+        return self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
+
+    def from_bytes(self, raw: torch.Tensor, elements: int) -> Packed:
+        """The moment laid out in the bytes `raw` (a disk buffer or a mapped file): values, then scales."""
+        return Packed(raw[: self.bytes_for(elements)].view(self.dtype))
+
+    def piece_bytes(self, elements: int, start: int, n: int) -> list[tuple[int, int, int]]:
+        """Where elements [start, start + n) of a moment over `elements` lie: (offset in the moment's bytes,
+        bytes, offset in the bytes of that piece alone as `from_bytes` lays it out), one per contiguous part."""
+        size = self.bytes_for(1)
+        return [(start * size, n * size, 0)]
+
+    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
+        """The piece as fp32 (into `scratch` unless it is fp32 already)."""
+        return packed.values
+
+    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
+        """Store fp32 `x` (element `index` of the unit onwards, at `step`) into `packed`; `x` may be clobbered."""
+        if x.data_ptr() != packed.values.data_ptr():
+            packed.values.copy_(x)
+
+
+class Bf16Codec(MomentCodec):
+    precision: MomentPrecision = "bf16"
+    dtype = torch.bfloat16
+
+    def __init__(self, moment: int) -> None:
+        super().__init__(moment)
+        self.noise = _noise()  # made once per process, shared by both moments
+
+    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
+        return scratch[: packed.numel()].copy_(packed.values)
+
+    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
+        packed.values.copy_(stochastic_round_(x, noise_position(step, unit, self.moment, index)))
+
+
+class Int8Codec(MomentCodec):
+    """Per block of BLOCK elements, the absmax as an fp32 scale and each element divided by it as an 8-bit float
+    code: exp_avg as sign, 4 exponent and 3 mantissa bits, the square root of exp_avg_sq (never negative) as 4
+    exponent and 4 mantissa bits. The exponent spans the 16 binades below 1 (then subnormal steps down to
+    2^-17 or 2^-18); each element takes the nearest code (ties to even), computed on its fp32 bits."""
+
+    precision: MomentPrecision = "int8"
+    dtype = torch.uint8
+
+    def __init__(self, moment: int) -> None:
+        super().__init__(moment)
+        self.shift = 23 - (3 if moment == 0 else 4)  # fp32 mantissa bits a code drops
+        self.qmap = self._values(torch.arange(256, dtype=torch.int32).to(torch.uint8))  # what each code means
+
+    def bytes_for(self, elements: int) -> int:
+        """The codes (padded to 4 bytes, so that the scales after them can be read as fp32), then the scales."""
+        return _codes_bytes(elements) + 4 * -(-elements // BLOCK)
+
+    def zeros(self, elements: int) -> Packed:
+        return self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
+
+    def piece_bytes(self, elements: int, start: int, n: int) -> list[tuple[int, int, int]]:
+        """The codes, then the scales of the piece's blocks (`start` on a block boundary)."""
+        return [(start, n, 0), (_codes_bytes(elements) + 4 * (start // BLOCK), 4 * -(-n // BLOCK), _codes_bytes(n))]
+
+    def from_bytes(self, raw: torch.Tensor, elements: int) -> Packed:
+        start = _codes_bytes(elements)
+        return Packed(raw[:elements], raw[start : start + 4 * -(-elements // BLOCK)].view(torch.float32))
+
+    def _values(self, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq). The code's bits, shifted
+        into an fp32's exponent and mantissa, are that value times 2^-112 (subnormal below 2^-126, exactly as
+        a code below 2^-14 is): one multiplication rebiases it."""
+        bits = (torch.empty(codes.numel(), dtype=torch.int32) if out is None else out.view(torch.int32)).copy_(codes)
+        if self.moment == 0:
+            sign = bits.bitwise_and(0x80).bitwise_left_shift_(24)
+            bits.bitwise_and_(0x7F).bitwise_left_shift_(self.shift).bitwise_or_(sign)
+        else:
+            bits.bitwise_left_shift_(self.shift)
+        return bits.view(torch.float32).mul_(2.0**112)
+
+    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
+        x = self._values(packed.values, scratch[: packed.numel()])
+        _per_block(x).mul_(packed.scales[: x.numel() // BLOCK, None])
+        if x.numel() % BLOCK:
+            _tail(x).mul_(packed.scales[-1])
+        return x if self.moment == 0 else x.square_()
+
+    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
+        if self.moment == 1:
+            x.sqrt_()
+        scales, full = packed.scales, x.numel() // BLOCK
+        torch.amax(_per_block(x).abs(), dim=1, out=scales[:full])
+        _per_block(x).div_(scales[:full, None].clamp(min=torch.finfo(torch.float32).tiny))
+        if x.numel() % BLOCK:
+            tail = _tail(x)
+            scales[-1] = tail.abs().max()
+            tail.div_(scales[-1].clamp(min=torch.finfo(torch.float32).tiny))
+        packed.values.copy_(self._codes(x))
+
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        """The nearest code of each of `y` (|y| <= 1; clobbered), as int32: y * 2^-112's fp32 bits, rounded to
+        the code's mantissa (ties to even, as IEEE rounding: a tie is common, e.g. where an element is a
+        simple fraction of its block's absmax; a carry moves to the next binade), shifted down."""
+        bits = y.mul_(2.0**-112).view(torch.int32)
+        magnitude = bits if self.moment == 1 else bits.bitwise_and(0x7FFFFFFF)  # exp_avg_sq's root: never negative
+        odd = magnitude.bitwise_right_shift(self.shift).bitwise_and_(1)
+        magnitude.add_(odd.add_((1 << (self.shift - 1)) - 1)).bitwise_right_shift_(self.shift)
+        if self.moment == 0:
+            magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
+        return magnitude
+
+
+def _codes_bytes(elements: int) -> int:
+    return -(-elements // 4) * 4
+
+
+def _per_block(x: torch.Tensor) -> torch.Tensor:
+    return x[: x.numel() // BLOCK * BLOCK].view(-1, BLOCK)
+
+
+def _tail(x: torch.Tensor) -> torch.Tensor:
+    return x[x.numel() // BLOCK * BLOCK :]
+
+
+_CODECS: dict[str, type[MomentCodec]] = {"fp32": MomentCodec, "bf16": Bf16Codec, "int8": Int8Codec}
+
+
+def codecs(precision: MomentPrecision) -> tuple[MomentCodec, MomentCodec]:
+    """The codecs of (exp_avg, exp_avg_sq) for `moment_precision`."""
+    return _CODECS[precision](0), _CODECS[precision](1)
+
+
+def table_bytes(precision: MomentPrecision) -> int:
+    """Host bytes of the tables a precision's codecs share: bf16's stochastic-rounding noise."""
+    return 4 * (NOISE_PERIOD + SCRATCH_ELEMS) if precision == "bf16" else 0
+
+
+def moment_bytes(precision: MomentPrecision, trainable: int) -> int:
+    """Host bytes of one unit's two moments over its `trainable` elements."""
+    return sum(c.bytes_for(trainable) for c in codecs(precision))
