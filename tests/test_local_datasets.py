@@ -6,11 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from datasets import Dataset, DatasetDict
 
 from lightning_slide.data import TextDataModule, byte_tokenizer, encode_record, local_examples
 from lightning_slide.sources import read_records
 from tests.test_chat_data import chat_model_folder, chat_tokenizer, conversation, run_train_script
+
+# the [datasets] extra (in [dev]); a machine without it, e.g. one running only the GPU tests, skips these
+datasets = pytest.importorskip("datasets")
+Dataset, DatasetDict = datasets.Dataset, datasets.DatasetDict
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [{"body": f"record number {i} " * (i % 5 + 1), "id": i} for i in range(12)]
