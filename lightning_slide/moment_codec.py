@@ -95,8 +95,10 @@ class MomentCodec:
     def zeros(self, elements: int) -> Packed:
         return self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
 
-    def from_bytes(self, raw: torch.Tensor, elements: int) -> Packed:
-        """The moment laid out in the bytes `raw` (a disk buffer or a mapped file): values, then scales."""
+    def from_bytes(self, raw: torch.Tensor, elements: int, words: torch.Tensor | None = None) -> Packed:
+        """The moment laid out in the bytes `raw` (a disk buffer or a mapped file): values, then scales. `words`,
+        if given, is a float32 tensor over the same bytes (another mapping of the file) that the scales view,
+        so that values and scales have storages of one dtype each, as torch.save needs."""
         return Packed(raw[: self.bytes_for(elements)].view(self.dtype))
 
     def piece_bytes(self, elements: int, start: int, n: int) -> list[tuple[int, int, int]]:
@@ -149,15 +151,19 @@ class Int8Codec(MomentCodec):
         return _codes_bytes(elements) + 4 * -(-elements // BLOCK)
 
     def zeros(self, elements: int) -> Packed:
-        return self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
+        """Codes and scales in allocations of their own (torch.save keeps one dtype per storage)."""
+        codes = torch.zeros(_codes_bytes(elements), dtype=torch.uint8)[:elements]
+        return Packed(codes, torch.zeros(-(-elements // BLOCK)))
 
     def piece_bytes(self, elements: int, start: int, n: int) -> list[tuple[int, int, int]]:
         """The codes, then the scales of the piece's blocks (`start` on a block boundary)."""
         return [(start, n, 0), (_codes_bytes(elements) + 4 * (start // BLOCK), 4 * -(-n // BLOCK), _codes_bytes(n))]
 
-    def from_bytes(self, raw: torch.Tensor, elements: int) -> Packed:
-        start = _codes_bytes(elements)
-        return Packed(raw[:elements], raw[start : start + 4 * -(-elements // BLOCK)].view(torch.float32))
+    def from_bytes(self, raw: torch.Tensor, elements: int, words: torch.Tensor | None = None) -> Packed:
+        start, blocks = _codes_bytes(elements), -(-elements // BLOCK)
+        if words is None:
+            return Packed(raw[:elements], raw[start : start + 4 * blocks].view(torch.float32))
+        return Packed(raw[:elements], words[start // 4 : start // 4 + blocks])
 
     def _values(self, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq). The code's bits, shifted

@@ -19,7 +19,9 @@ copied as they are where the blocks fall as they did; bf16 and fp32 values are r
 Anything else is converted: the saved moments are decoded to fp32 and encoded in the run's precision, a
 piece of a unit at a time (so fp32 state quantises into an 8-bit run, 8-bit state dequantises into an fp32
 run). The load reads the checkpoint's tensors where they are (mapped from the file), never through torch's
-`Optimizer.load_state_dict`, which would first cast every moment to the parameter's dtype.
+`Optimizer.load_state_dict`, which would first cast every moment to the parameter's dtype (a state it has
+cast so, as under Fabric, loads exactly all the same). Plain torch and Lightning's other strategies read fp32
+moments only: a compact checkpoint reaches them through a slideformer run with moment_precision="fp32".
 """
 
 from __future__ import annotations

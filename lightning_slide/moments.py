@@ -78,7 +78,10 @@ class Moments:
         t, m = s.trainable_numel, s.numel if s.on_disk else 0
         sizes = [c.bytes_for(t) for c in self.codecs]
         mapped = file.map(4 * m + sum(sizes), torch.uint8)
-        s.exp_avg, s.exp_avg_sq = (c.from_bytes(mapped[4 * m + at :], t) for c, at in zip(self.codecs, (0, sizes[0])))
+        words = file.map(m + sum(sizes) // 4) if self.precision == "int8" else None  # the scales' own mapping
+        s.exp_avg, s.exp_avg_sq = (
+            c.from_bytes(mapped[4 * m + at :], t, None if words is None else words[m + at // 4 :])
+            for c, at in zip(self.codecs, (0, sizes[0])))
         layout = self._chunk_layout(bool(m))
         for start, n in self.spans(s.index):
             regions = [Region(file, 4 * start, 4 * n, 0)] if m else []

@@ -383,3 +383,35 @@ def test_the_host_state_of_an_8b_model_per_parameter(precision, per_param):
     plan = Plan.static(shape, Setup(SlideConfig(moment_precision=precision), device="cpu", dtype=torch.bfloat16))
     state = sum(e.bytes for e in plan.entries if e.what.startswith(("fp32 master", "Adam")))
     assert per_param - 0.03 <= state / shape.numel <= per_param
+
+
+@pytest.mark.parametrize("precision", COMPACT)
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_fabric_loop_saves_compact_moments_with_torch_save_and_loads_them_exactly(precision, tier, tmp_path):
+    """A plain loop's `torch.save(optimizer.state_dict())`, then torch's own `optimizer.load_state_dict`, which casts
+    the saved moments to fp32 (8-bit codes as numbers) before the engine reads them back: they come back exact."""
+    from lightning.fabric import Fabric
+
+    from lightning_slide import SlideFabricStrategy
+
+    disk = dict(offload="nvme", nvme_path=str(tmp_path / "nvme"), nvme_moments=1.0) if tier == "nvme" else {}
+
+    def run(model):
+        fabric = Fabric(strategy=SlideFabricStrategy(moment_precision=precision, **disk), accelerator="cpu", devices=1)
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(param_groups(model), lr=3e-3))
+        return model, optimizer, fabric.strategy.engine
+
+    first, optimizer, engine = run(tiny_model("llama"))
+    for x in token_batches(2):
+        first(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    _, fresh, loaded = run(tiny_model("llama", seed=7))
+    fresh.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    for saved, back in zip(engine.storages, loaded.storages):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(saved, key).values, getattr(back, key).values)
+            assert getattr(saved, key).scales is None or torch.equal(getattr(saved, key).scales,
+                                                                     getattr(back, key).scales)
+    assert loaded._step == 2
