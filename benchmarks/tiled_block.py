@@ -41,9 +41,13 @@ def _block(spec: ModelSpec, tokens: int, tiling: object):
     from lightning_slide import ops
 
     config = hf_config(spec, tokens)
-    block = LlamaDecoderLayer(config, layer_idx=0).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        block = LlamaDecoderLayer(config, layer_idx=0).to(dtype=torch.bfloat16)
     for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+        else:
+            torch.nn.init.ones_(p)  # the norms
     ops.patch(block, cross_entropy=False, mlp_tile_tokens=tiling)
     x = torch.randn(1, tokens, spec.hidden, device="cuda", dtype=torch.bfloat16)
     cos, sin = LlamaRotaryEmbedding(config).to("cuda")(x, torch.arange(tokens, device="cuda")[None])

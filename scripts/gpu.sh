@@ -12,7 +12,8 @@
 #   bash scripts/gpu.sh long    the tiled MLP's GPU tests, one block tiled and untiled (benchmarks/tiled_block.py:
 #                                       the cost of 8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
 #                                       `long` ladders: 8B at 65,536 and 131,072 tokens, 3B at 131,072 and 262,144
-#                                       (about 7 minutes; 10 if the planner admits 3B at 262,144)  -> results/long/
+#                                       (about 7 minutes; 10 if the planner admits 3B at 262,144; CASES= runs
+#                                       one ladder)                                         -> results/long/
 #   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's shapes with 8 of its 16 blocks
 #                                       (3 precisions x 500 steps of the whole 1B do not fit 8 minutes: the CPU
 #                                       update binds at 4x512 tokens) on the built-in corpus, then fine-tuning
@@ -87,8 +88,8 @@ case "${1:-check}" in
       -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_tiled.log" | tail -5
     timeout 200 python3 -m benchmarks.tiled_block --out "$OUT" 2>&1 | tail -8
     # the allocator's expandable segments: 8B at 131,072 tokens plans to within 0.4 GiB of the cap
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.run --cases long --out "$OUT" \
-      --commit "$COMMIT"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.run --cases "${CASES:-long}" \
+      --out "$OUT" --commit "$COMMIT"
     df -h /tmp | tee -a "$OUT/machine.txt"
     ;;
   compact)
