@@ -15,9 +15,9 @@
 #                                       (about 7 minutes; 10 if the planner admits 3B at 262,144; CASES= runs
 #                                       one ladder)                                         -> results/long/
 #   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's shapes with 8 of its 16 blocks
-#                                       (3 precisions x 500 steps of the whole 1B do not fit 8 minutes: the CPU
-#                                       update binds at 4x512 tokens) on the built-in corpus, then fine-tuning
-#                                       (benchmarks/compact.py quality; STEPS=500, FINETUNE_STEPS=80, LAYERS=8)
+#                                       (LAYERS=16 for all of them; at 4x512 tokens the CPU update binds each step)
+#                                       on the built-in corpus, then fine-tuning (benchmarks/compact.py quality;
+#                                       STEPS=500, FINETUNE_STEPS=80, LAYERS=8)
 #                                                                                   -> results/compact/
 #   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
 #                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
