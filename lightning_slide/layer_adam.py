@@ -172,9 +172,9 @@ class LayerAdam:
         self.applied = [0] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
         self._wide: torch.Tensor | None = None  # fp32 pieces of gradients held in the compute dtype
-        largest = max((s.trainable_numel for s in storages), default=0)
+        self._largest = max((s.trainable_numel for s in storages), default=0)
         self.compact = moments.precision != "fp32"
-        self.scratch = [torch.empty(self.scratch_elems(largest, moments.precision)) for _ in range(2)]
+        self.scratch = [torch.empty(self.scratch_elems(self._largest, moments.precision)) for _ in range(2)]
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     @staticmethod
@@ -246,7 +246,8 @@ class LayerAdam:
         moments; each piece's compact moments are written back before the next is read."""
         (master, *moments), done = self.moments.open(unit, start, grad.numel())
         n, codecs = grad.numel(), self.moments.codecs
-        piece = SCRATCH_ELEMS if self.compact else n if grad.dtype == torch.float32 else WIDEN_ELEMS
+        widens = self.compact or grad.dtype != torch.float32
+        piece = self.widen_elems(n, self.moments.precision) if widens else n
         for a in range(0, n, piece):
             b = min(a + piece, n)
             wide = [c.decode(m[a:b], s) for c, m, s in zip(codecs, moments, self.scratch)]
@@ -260,8 +261,7 @@ class LayerAdam:
         if grad.dtype == torch.float32:
             return grad
         if self._wide is None:
-            self._wide = torch.empty(self.widen_elems(max(s.trainable_numel for s in self.storages),
-                                                      self.moments.precision))
+            self._wide = torch.empty(self.widen_elems(self._largest, self.moments.precision))
         return self._wide[: grad.numel()].copy_(grad)
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
