@@ -98,6 +98,7 @@ class TiledMLPFunction(torch.autograd.Function):
             gate, up = _gate_up(flat[start:start + tile], gate_w, up_w)
             product = swiglu_into_(gate, gate, up)
             torch.mm(product, down_w.t(), out=out[start:start + tile])
+            del gate, up, product  # freed before the next tile's are made
         return out.view(*x.shape[:-1], down_w.shape[0])
 
     @staticmethod
@@ -123,6 +124,7 @@ class TiledMLPFunction(torch.autograd.Function):
                 d_up = _accumulate(d_up, d_up_t.t(), xt)
             if need_x:
                 torch.mm(d_gate_t, gate_w, out=dx[tile]).addmm_(d_up_t, up_w)
+            del gate, up, d_gate_t, d_up_t  # freed before the next tile's are made
         return (None if dx is None else dx.view_as(x)), d_gate, d_up, d_down, None
 
 

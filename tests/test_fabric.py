@@ -34,6 +34,7 @@ class Run:
         for start in range(0, len(batches), accumulate):
             window = batches[start : start + accumulate]
             for i, x in enumerate(window):
+                x = self.fabric.to_device(x)
                 with self.fabric.no_backward_sync(self.model, enabled=i < len(window) - 1):
                     loss = self.model(input_ids=x, labels=x).loss
                     self.fabric.backward(loss / accumulate)

@@ -1,5 +1,6 @@
 """The runtime on a real GPU: streams, pinned memory, kernels; same answers, no allocation after warm-up."""
 
+import importlib.util
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from tests.runtime.helpers import (
 
 pytestmark = pytest.mark.gpu
 STEPS = 5
+NEEDS_KVIKIO = pytest.mark.skipif(importlib.util.find_spec("kvikio") is None,
+                                  reason="gds='on' needs kvikio (the [nvme] extra)")
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -51,7 +54,8 @@ def test_held_bf16_gradients_on_cuda_train_exactly_as_fp32_sums_of_the_same_grad
 @pytest.mark.parametrize(
     "settings",
     [dict(offload="nvme", nvme_moments=1.0, activations="nvme", chunk_elems=4096),
-     dict(offload="nvme", nvme_moments=1.0, activations="nvme", gds="on", chunk_elems=4096),
+     pytest.param(dict(offload="nvme", nvme_moments=1.0, activations="nvme", gds="on", chunk_elems=4096),
+                  marks=NEEDS_KVIKIO),
      dict(offload="nvme", nvme_moments=0.5, nvme_master=True, chunk_elems=4096), dict(slots="auto"),
      dict(recompute="never", slots=2)],
     ids=["disk-tier", "disk-tier-direct-io", "master-on-disk", "auto-window", "kept-graphs-two-slots"],
@@ -94,7 +98,7 @@ def _train(engine: SlideEngine, model, batches) -> None:
     "settings",
     [dict(activations="device", recompute="always"), dict(activations="cpu", recompute="always"),
      dict(slots="auto", recompute="always"), dict(recompute="auto"),
-     dict(offload="nvme", activations="nvme", gds="on", recompute="always")],
+     pytest.param(dict(offload="nvme", activations="nvme", gds="on", recompute="always"), marks=NEEDS_KVIKIO)],
     ids=["device", "cpu", "auto-window", "auto-window-and-graphs", "disk-direct-io"])
 def test_no_device_allocation_after_warm_up(settings, tmp_path):
     model = tiny_model("llama", num_hidden_layers=6)
@@ -116,6 +120,7 @@ def test_no_device_allocation_after_warm_up(settings, tmp_path):
     assert after["num_alloc_retries"] == before["num_alloc_retries"]
 
 
+@NEEDS_KVIKIO
 def test_direct_disk_io_moves_activations_between_gpu_memory_and_files_without_pcie_staging(tmp_path):
     model = tiny_model("llama", num_hidden_layers=4)
     config = SlideConfig(offload="nvme", activations="nvme", gds="on", nvme_path=str(tmp_path))
