@@ -7,8 +7,9 @@
 int8) for `--steps` optimizer steps, validating every `--val-every`, then fine-tunes: each precision
 continues the fp32 run's final weights and Adam state (converted to its own precision on load, as a
 checkpoint of an fp32 run loads into a compact run) on a different data mix for `--finetune-steps`.
-Writes `compact-quality.json` (final train loss: the mean of the last 20 steps; final validation loss; the
-curves; step times) and `compact-quality.png` (the curves together). `update` times Layer-Adam over one unit
+`--precisions` picks the compact ones (fp32 always runs, first). Writes `compact-quality-<precisions>.json`
+(final train loss: the mean of the last 20 steps; final validation loss; the curves; step times) and a .png of
+the curves together. `update` times Layer-Adam over one unit
 of Llama-3.1-8B block shapes (218M parameters, fp32 gradients) per precision and per compact piece size,
 and writes `compact-update.json`. The capacity side (peak host RSS per parameter at 8B) is
 `benchmarks.capacity --moment-precision`.
@@ -147,18 +148,19 @@ def quality(args: argparse.Namespace) -> None:
                   "pretrain": "the built-in corpus (lightning_slide.data.BUILTIN_MODULES), byte tokenizer, 5% held out",
                   "finetune": f"source of {list(FINETUNE_MODULES)}, {args.seq_len}-byte text records, 5% held out"},
               "pretrain": {}, "finetune": {}}
-    for precision in PRECISIONS:
+    precisions = record["precisions"] = ["fp32", *args.precisions]
+    for precision in precisions:
         record["pretrain"][precision] = run(args, precision, pretrain, args.steps, 20, args.lr,
                                             save=ckpt if precision == "fp32" else None)
         _write(out, record)
-    for precision in PRECISIONS:
+    for precision in precisions:
         record["finetune"][precision] = run(args, precision, finetune, args.finetune_steps, 5, args.lr / 3,
                                             start=ckpt)
         _write(out, record)
     ckpt.unlink(missing_ok=True)
     record["summary"] = _summary(record)
     _write(out, record)
-    _plot(record, out / "compact-quality.png")
+    _plot(record, out / _name(record, "png"))
     print(json.dumps(record["summary"], indent=2))
 
 
@@ -167,7 +169,7 @@ def _summary(record: dict) -> dict:
     summary = {}
     for phase in ("pretrain", "finetune"):
         base = record[phase]["fp32"]
-        for precision in PRECISIONS[1:]:
+        for precision in [p for p in record[phase] if p != "fp32"]:
             run_ = record[phase][precision]
             summary[f"{phase}/{precision}"] = {
                 "train_loss_vs_fp32": run_["final_train_loss"] / base["final_train_loss"] - 1,
@@ -178,7 +180,12 @@ def _summary(record: dict) -> dict:
 
 
 def _write(out: Path, record: dict) -> None:
-    (out / "compact-quality.json").write_text(json.dumps(record, indent=1))
+    (out / _name(record, "json")).write_text(json.dumps(record, indent=1))
+
+
+def _name(record: dict, suffix: str) -> str:
+    """compact-quality-<the compact precisions>.<suffix>: one file per comparison."""
+    return f"compact-quality-{'-'.join(record['precisions'][1:])}.{suffix}"
 
 
 def _plot(record: dict, path: Path) -> None:
@@ -204,6 +211,34 @@ def _plot(record: dict, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- update
+def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW, grad: torch.Tensor, precision: str,
+                 piece: int | None, threads: int | None, repeats: int) -> dict:
+    """Best and mean seconds of one unit's update (the first, warm-up, not counted); compact moments in pieces of
+    `piece` elements over a pool of `threads` (fp32: one fused call with all intra-op threads)."""
+    storage = UnitStorage(0, "block", params, {id(p): 0 for p in params})
+    pieces, before = layer_adam.SCRATCH_ELEMS, torch.get_num_threads()
+    layer_adam.SCRATCH_ELEMS = piece or pieces
+    torch.set_num_threads(threads or before)  # what the pool's size is taken from
+    try:
+        adam = LayerAdam([storage], Moments([storage], {}, storage.trainable_numel, Failure(None), precision),
+                         Failure(None))
+    finally:
+        layer_adam.SCRATCH_ELEMS = pieces
+        torch.set_num_threads(before)
+    times = []
+    for step in range(1, repeats + 2):
+        started = time.perf_counter()
+        adam.schedule(0)
+        adam.put(DeferredUpdate(0, snapshot(optimizer, step, None), grad))
+        adam.drain()
+        times.append(time.perf_counter() - started)
+    adam.worker.stop()
+    adam.close()
+    best = min(times[1:])
+    return {"elements": storage.trainable_numel, "best_s": best, "mean_s": sum(times[1:]) / len(times[1:]),
+            "gelem_per_s": storage.trainable_numel / best / 1e9}
+
+
 def update(args: argparse.Namespace) -> None:
     """Layer-Adam over one unit of 8B block shapes, per precision and compact piece size."""
     g = torch.Generator().manual_seed(0)
@@ -212,26 +247,12 @@ def update(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     grad = torch.randn(sum(p.numel() for p in params), generator=g) * 1e-3
     results = []
-    for precision in PRECISIONS:
-        for piece in ([None] if precision == "fp32" else args.pieces):
-            if piece is not None:
-                layer_adam.SCRATCH_ELEMS = piece
-            storage = UnitStorage(0, "block", params, {id(p): 0 for p in params})
-            adam = LayerAdam([storage], Moments([storage], {}, storage.trainable_numel, Failure(None), precision),
-                             Failure(None))
-            times = []
-            for step in range(1, args.repeats + 2):
-                started = time.perf_counter()
-                adam.schedule(0)
-                adam.put(DeferredUpdate(0, snapshot(optimizer, step, None), grad))
-                adam.drain()
-                times.append(time.perf_counter() - started)
-            adam.worker.stop()
-            best = min(times[1:])
-            results.append({"precision": precision, "piece_elems": piece, "elements": storage.trainable_numel,
-                            "best_s": best, "mean_s": sum(times[1:]) / len(times[1:]),
-                            "gelem_per_s": storage.trainable_numel / best / 1e9})
-            print(json.dumps(results[-1]), flush=True)
+    cases = [("fp32", None, None)] + [(p, piece, threads) for p in PRECISIONS if p != "fp32"
+                                      for piece in args.pieces for threads in args.threads]
+    for precision, piece, threads in cases:
+        results.append({"precision": precision, "piece_elems": piece, "pool_threads": threads,
+                        **_time_update(params, optimizer, grad, precision, piece, threads, args.repeats)})
+        print(json.dumps(results[-1]), flush=True)
     record = {**record_base(args), "grad_dtype": "float32", "results": results,
               "what": "one Layer-Adam update of the unit (decode, torch._fused_adamw_, encode), best of repeats"}
     (Path(args.out) / "compact-update.json").write_text(json.dumps(record, indent=1))
@@ -243,6 +264,9 @@ def main() -> None:
     parser.add_argument("--model", default="llama3_1b")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder blocks than the config's")
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS[1:], default=list(PRECISIONS[1:]),
+                        help="quality: the compact precisions to run beside fp32 (one call of the GPU script "
+                             "holds one at 500 steps)")
     parser.add_argument("--finetune-steps", type=int, default=100)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -252,12 +276,17 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--scratch", default="/tmp/lsbench-compact", help="where the fp32 checkpoint waits")
     parser.add_argument("--elements", type=int, default=None, help="update: one unit of this many (default: 8B block)")
-    parser.add_argument("--pieces", type=int, nargs="+", default=[1 << 16, 1 << 17, 1 << 18],
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="update: pool sizes to try (default: 1, 2, 4, ... up to torch's thread count)")
+    parser.add_argument("--pieces", type=int, nargs="+", default=[1 << 16, 1 << 18],
                         help="compact piece sizes to try, up to moment_codec.SCRATCH_ELEMS (bf16's noise table)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
+    if args.threads is None:
+        most = torch.get_num_threads()
+        args.threads = sorted({min(1 << i, most) for i in range(most.bit_length())})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (quality if args.what == "quality" else update)(args)
 

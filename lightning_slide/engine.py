@@ -499,6 +499,7 @@ class SlideEngine:
         for worker in (self.pump.worker if self.pump else None, self.adam.worker):
             if worker is not None:
                 worker.stop()
+        self.adam.close()
         self.moments.close()
         self.activations.close()
         if self.tier is not None:

@@ -21,6 +21,7 @@ from torch.optim import Adam, AdamW, Optimizer
 from lightning_slide.moment_codec import SCRATCH_ELEMS, MomentPrecision
 from lightning_slide.moments import Moments
 from lightning_slide.norm import GlobalNorm
+from lightning_slide.piece_pool import PiecePool, pool_threads
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
@@ -158,6 +159,25 @@ class DeferredUpdate:
     grads: torch.Tensor = field(repr=False)
 
 
+class Scratch:
+    """One thread's buffers for an update's pieces: both moments decoded to fp32, the codecs' int32 work room, and
+    the gradient widened to fp32 (made on first use: a run whose gradients are fp32 never needs it)."""
+
+    def __init__(self, moment_elems: int, elems: int) -> None:
+        self.moments = [torch.empty(moment_elems) for _ in range(2)]
+        self.work = torch.empty(2, moment_elems, dtype=torch.int32)
+        self.elems = elems
+        self._wide: torch.Tensor | None = None
+
+    def widened(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` in fp32: as it is, or copied into this thread's buffer."""
+        if grad.dtype == torch.float32:
+            return grad
+        if self._wide is None:
+            self._wide = torch.empty(self.elems)
+        return self._wide[: grad.numel()].copy_(grad)
+
+
 class LayerAdam:
     """Owns the unit storages' optimizer state and the thread that updates them.
 
@@ -171,31 +191,30 @@ class LayerAdam:
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
-        self._wide: torch.Tensor | None = None  # fp32 pieces of gradients held in the compute dtype
-        self._largest = max((s.trainable_numel for s in storages), default=0)
+        largest = max((s.trainable_numel for s in storages), default=0)
         self.compact = moments.precision != "fp32"
-        self.scratch = [torch.empty(self.scratch_elems(self._largest, moments.precision)) for _ in range(2)]
+        piece = self.widen_elems(largest, moments.precision)
+        self.scratch = Scratch(0, piece)  # this thread's: fp32 moments need no scratch
+        self.piece = piece
+        self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     @staticmethod
-    def scratch_elems(largest_trainable: int, precision: MomentPrecision) -> int:
-        """Elements of each fp32 buffer that compact moments are widened into for an update (none for fp32)."""
-        return 0 if precision == "fp32" else min(SCRATCH_ELEMS, largest_trainable)
-
-    @classmethod
-    def scratch_bytes(cls, largest_trainable: int, precision: MomentPrecision) -> int:
-        """Both moments' fp32 scratch."""
-        return 2 * 4 * cls.scratch_elems(largest_trainable, precision)
-
-    @staticmethod
     def widen_elems(largest_trainable: int, precision: MomentPrecision = "fp32") -> int:
-        """The fp32 piece a gradient held in the compute dtype is widened in (`_update`): one compact piece with
-        compact moments."""
+        """The piece an update runs in where something is widened to fp32 (`_update`): compact moments, or a
+        gradient held in the compute dtype."""
         return min(SCRATCH_ELEMS if precision != "fp32" else WIDEN_ELEMS, largest_trainable)
 
     @classmethod
+    def scratch_bytes(cls, largest_trainable: int, precision: MomentPrecision) -> int:
+        """Compact moments: every pool thread's scratch (two fp32 moments, two int32 work rows, a widened gradient)."""
+        return 0 if precision == "fp32" else 5 * 4 * cls.widen_elems(largest_trainable, precision) * pool_threads()
+
+    @classmethod
     def widen_bytes(cls, largest_trainable: int, precision: MomentPrecision = "fp32") -> int:
-        return 4 * cls.widen_elems(largest_trainable, precision)
+        """The fp32 buffer a gradient held in the compute dtype is widened in by fp32 updates (compact ones
+        widen in their pool threads' scratch, `scratch_bytes`)."""
+        return 0 if precision != "fp32" else 4 * cls.widen_elems(largest_trainable, precision)
 
     def schedule(self, unit: int) -> None:
         self.scheduled[unit] += 1
@@ -241,28 +260,25 @@ class LayerAdam:
             self.work_s[unit] += time.perf_counter() - start
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
-        """AdamW over [start, start + len(grad)) of `unit`, in pieces where something is widened to fp32 first: a
-        gradient held in the compute dtype (torch's fused AdamW takes fp32 grads for fp32 weights) or compact
-        moments; each piece's compact moments are written back before the next is read."""
+        """AdamW over [start, start + len(grad)) of `unit`, in pieces where something is widened to fp32 first:
+        compact moments (each piece decoded, updated and encoded again by one pool thread) or a gradient held in
+        the compute dtype (torch's fused AdamW takes fp32 grads for fp32 weights)."""
         (master, *moments), done = self.moments.open(unit, start, grad.numel())
-        n, codecs = grad.numel(), self.moments.codecs
-        widens = self.compact or grad.dtype != torch.float32
-        piece = self.widen_elems(n, self.moments.precision) if widens else n
-        for a in range(0, n, piece):
-            b = min(a + piece, n)
-            wide = [c.decode(m[a:b], s) for c, m, s in zip(codecs, moments, self.scratch)]
-            adam_(self.storages[unit], plan, start + a, self._widened(grad[a:b]), master[a:b], *wide)
-            for c, x, m in zip(codecs, wide, moments):
-                c.encode(x, m[a:b], plan.step, unit, start + a)
-        done()
+        codecs, n = self.moments.codecs, grad.numel()
 
-    def _widened(self, grad: torch.Tensor) -> torch.Tensor:
-        """`grad` in fp32: as it is, or copied into one reused buffer."""
-        if grad.dtype == torch.float32:
-            return grad
-        if self._wide is None:
-            self._wide = torch.empty(self.widen_elems(self._largest, self.moments.precision))
-        return self._wide[: grad.numel()].copy_(grad)
+        def piece(scratch: Scratch, a: int, b: int) -> None:
+            wide = [c.decode(m[a:b], s, scratch.work) for c, m, s in zip(codecs, moments, scratch.moments)]
+            adam_(self.storages[unit], plan, start + a, scratch.widened(grad[a:b]), master[a:b], *wide)
+            for c, x, m in zip(codecs, wide, moments):
+                c.encode(x, m[a:b], plan.step, unit, start + a, scratch.work)
+
+        if self.pool is not None:
+            self.pool.run(piece, n, self.piece)
+        else:
+            step = self.scratch.elems if grad.dtype != torch.float32 else max(n, 1)
+            for a in range(0, n, step):
+                piece(self.scratch, a, min(a + step, n))
+        done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
         """Start the sums with the window's first gradient, or add a later one and measure the sums when they are
@@ -274,6 +290,11 @@ class LayerAdam:
         if item.plan is not None and item.plan.norm is not None:
             item.plan.norm.add(acc)
         return acc
+
+    def close(self) -> None:
+        """Stop the pool threads (after the optimizer thread has stopped)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def _finish(self, unit: int) -> None:
         self.applied[unit] += 1

@@ -107,12 +107,16 @@ class MomentCodec:
         size = self.bytes_for(1)
         return [(start * size, n * size, 0)]
 
-    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
-        """The piece as fp32 (into `scratch` unless it is fp32 already)."""
+    def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+        """The piece as fp32 (into `scratch` unless it is fp32 already). `work`, if given, is int32 room for two
+        tensors of the piece's size (2 x n or more) that the codec may use instead of allocating: a large CPU
+        allocation maps fresh pages each time, and threads doing so contend on the process's memory map."""
         return packed.values
 
-    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
-        """Store fp32 `x` (element `index` of the unit onwards, at `step`) into `packed`; `x` may be clobbered."""
+    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
+               work: torch.Tensor | None = None) -> None:
+        """Store fp32 `x` (element `index` of the unit onwards, at `step`) into `packed`; `x` may be clobbered;
+        `work` as for `decode`."""
         if x.data_ptr() != packed.values.data_ptr():
             packed.values.copy_(x)
 
@@ -125,10 +129,11 @@ class Bf16Codec(MomentCodec):
         super().__init__(moment)
         self.noise = _noise()  # made once per process, shared by both moments
 
-    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
+    def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
         return scratch[: packed.numel()].copy_(packed.values)
 
-    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
+    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
+               work: torch.Tensor | None = None) -> None:
         packed.values.copy_(stochastic_round_(x, noise_position(step, unit, self.moment, index)))
 
 
@@ -165,48 +170,59 @@ class Int8Codec(MomentCodec):
             return Packed(raw[:elements], raw[start : start + 4 * blocks].view(torch.float32))
         return Packed(raw[:elements], words[start // 4 : start // 4 + blocks])
 
-    def _values(self, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _values(self, codes: torch.Tensor, out: torch.Tensor | None = None,
+                work: torch.Tensor | None = None) -> torch.Tensor:
         """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq). The code's bits, shifted
         into an fp32's exponent and mantissa, are that value times 2^-112 (subnormal below 2^-126, exactly as
         a code below 2^-14 is): one multiplication rebiases it."""
         bits = (torch.empty(codes.numel(), dtype=torch.int32) if out is None else out.view(torch.int32)).copy_(codes)
         if self.moment == 0:
-            sign = bits.bitwise_and(0x80).bitwise_left_shift_(24)
+            sign = torch.bitwise_and(bits, 0x80, out=_room(work, 0, bits.numel())).bitwise_left_shift_(24)
             bits.bitwise_and_(0x7F).bitwise_left_shift_(self.shift).bitwise_or_(sign)
         else:
             bits.bitwise_left_shift_(self.shift)
         return bits.view(torch.float32).mul_(2.0**112)
 
-    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
-        x = self._values(packed.values, scratch[: packed.numel()])
+    def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+        x = self._values(packed.values, scratch[: packed.numel()], work)
         _per_block(x).mul_(packed.scales[: x.numel() // BLOCK, None])
         if x.numel() % BLOCK:
             _tail(x).mul_(packed.scales[-1])
         return x if self.moment == 0 else x.square_()
 
-    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int) -> None:
-        if self.moment == 1:
-            x.sqrt_()
+    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
+               work: torch.Tensor | None = None) -> None:
         scales, full = packed.scales, x.numel() // BLOCK
-        torch.amax(_per_block(x).abs(), dim=1, out=scales[:full])
+        if self.moment == 1:  # the root of exp_avg_sq: never negative, its absmax is its max
+            torch.amax(_per_block(x.sqrt_()), dim=1, out=scales[:full])
+        else:
+            room = _room(work, 0, x.numel())
+            magnitudes = x.abs() if room is None else torch.abs(x, out=room.view(torch.float32))
+            torch.amax(_per_block(magnitudes), dim=1, out=scales[:full])
         _per_block(x).div_(scales[:full, None].clamp(min=torch.finfo(torch.float32).tiny))
         if x.numel() % BLOCK:
             tail = _tail(x)
             scales[-1] = tail.abs().max()
             tail.div_(scales[-1].clamp(min=torch.finfo(torch.float32).tiny))
-        packed.values.copy_(self._codes(x))
+        packed.values.copy_(self._codes(x, work))
 
-    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+    def _codes(self, y: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
         """The nearest code of each of `y` (|y| <= 1; clobbered), as int32: y * 2^-112's fp32 bits, rounded to
         the code's mantissa (ties to even, as IEEE rounding: a tie is common, e.g. where an element is a
         simple fraction of its block's absmax; a carry moves to the next binade), shifted down."""
         bits = y.mul_(2.0**-112).view(torch.int32)
-        magnitude = bits if self.moment == 1 else bits.bitwise_and(0x7FFFFFFF)  # exp_avg_sq's root: never negative
-        odd = magnitude.bitwise_right_shift(self.shift).bitwise_and_(1)
+        n = bits.numel()
+        magnitude = bits if self.moment == 1 else torch.bitwise_and(bits, 0x7FFFFFFF, out=_room(work, 0, n))
+        odd = torch.bitwise_right_shift(magnitude, self.shift, out=_room(work, 1, n)).bitwise_and_(1)
         magnitude.add_(odd.add_((1 << (self.shift - 1)) - 1)).bitwise_right_shift_(self.shift)
         if self.moment == 0:
             magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
         return magnitude
+
+
+def _room(work: torch.Tensor | None, which: int, n: int) -> torch.Tensor | None:
+    """Row `which` of the int32 `work` buffer, n long; None (torch allocates) without one."""
+    return None if work is None else work[which, :n]
 
 
 def _codes_bytes(elements: int) -> int:

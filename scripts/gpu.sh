@@ -16,8 +16,9 @@
 #                                       one ladder)                                         -> results/long/
 #   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's shapes with 8 of its 16 blocks
 #                                       (LAYERS=16 for all of them; at 4x512 tokens the CPU update binds each step)
-#                                       on the built-in corpus, then fine-tuning (benchmarks/compact.py quality;
-#                                       STEPS=500, FINETUNE_STEPS=80, LAYERS=8)
+#                                       on the built-in corpus, then fine-tuning, fp32 beside PRECISION=int8 (or
+#                                       bf16; one of them a call) (benchmarks/compact.py quality; STEPS=500,
+#                                       FINETUNE_STEPS=80, LAYERS=8)
 #                                                                                   -> results/compact/
 #   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
 #                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
@@ -93,8 +94,9 @@ case "${1:-check}" in
     df -h /tmp | tee -a "$OUT/machine.txt"
     ;;
   compact)
-    timeout 590 python3 -m benchmarks.compact quality --steps "${STEPS:-500}" --finetune-steps "${FINETUNE_STEPS:-80}" \
-      --layers "${LAYERS:-8}" --out "$OUT" --commit "$COMMIT" 2>&1 | grep -v Warning | tail -60 > "$OUT/compact.log"
+    timeout 590 python3 -m benchmarks.compact quality --precisions ${PRECISION:-int8} --steps "${STEPS:-500}" \
+      --finetune-steps "${FINETUNE_STEPS:-80}" --layers "${LAYERS:-8}" --out "$OUT" --commit "$COMMIT" 2>&1 \
+      | grep -v Warning | tail -60 > "$OUT/compact.log"
     tail -40 "$OUT/compact.log"
     ;;
   compact-capacity)

@@ -304,11 +304,30 @@ def test_the_compact_moments_benchmark_compares_each_precision_with_fp32_in_both
         compact.main()
     finally:
         sys.argv = sys_argv
-    record = json.loads((tmp_path / "compact-quality.json").read_text())
+    record = json.loads((tmp_path / "compact-quality-bf16-int8.json").read_text())
     assert set(record["summary"]) == {f"{phase}/{p}" for phase in ("pretrain", "finetune") for p in ("bf16", "int8")}
     starts = {p: run["first_train_loss"] for p, run in record["pretrain"].items()}
     assert len(set(starts.values())) == 1  # same model, seed and first batch for every precision
     assert all(len(run["train_loss"]) == 3 for run in record["finetune"].values())
     finetune_starts = {run["first_train_loss"] for run in record["finetune"].values()}
     assert len(finetune_starts) == 1  # each precision starts from the fp32 run's weights
-    assert (tmp_path / "compact-quality.png").exists() and not (tmp_path / "scratch" / "fp32-pretrained.ckpt").exists()
+    assert (tmp_path / "compact-quality-bf16-int8.png").exists()
+    assert not (tmp_path / "scratch" / "fp32-pretrained.ckpt").exists()
+
+
+def test_the_compact_update_benchmark_times_each_precision_per_piece_and_pool_size(tmp_path) -> None:
+    import sys
+
+    from benchmarks import compact
+
+    argv = ["compact", "update", "--elements", "8192", "--pieces", "1024", "--threads", "1", "2", "--repeats", "1",
+            "--out", str(tmp_path)]
+    sys_argv, sys.argv = sys.argv, argv
+    try:
+        compact.main()
+    finally:
+        sys.argv = sys_argv
+    results = json.loads((tmp_path / "compact-update.json").read_text())["results"]
+    assert [(r["precision"], r["pool_threads"]) for r in results] == [
+        ("fp32", None), ("bf16", 1), ("bf16", 2), ("int8", 1), ("int8", 2)]
+    assert all(r["gelem_per_s"] > 0 for r in results)

@@ -177,16 +177,25 @@ def _encode(x: torch.Tensor, precision: str, moment: int, step: int) -> list[tor
 
 @pytest.mark.parametrize("precision", COMPACT)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_one_update_equals_decode_then_torch_adamw_then_encode(precision, grad_dtype, monkeypatch):
-    """In pieces of 1,024 elements (monkeypatched from SCRATCH_ELEMS), as the optimizer thread runs it."""
+@pytest.mark.parametrize("threads", [1, 3], ids=["one-pool-thread", "three-pool-threads"])
+def test_one_update_equals_decode_then_torch_adamw_then_encode(precision, grad_dtype, threads, monkeypatch):
+    """In pieces of 1,024 elements (monkeypatched from SCRATCH_ELEMS) spread over the pool's threads, as the
+    optimizer thread runs it."""
     monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 1024)
-    params, optimizer, storage, adam = _unit(precision)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the pool's size
+    try:
+        params, optimizer, storage, adam = _unit(precision)
+    finally:
+        torch.set_num_threads(before)
+    assert adam.pool.threads == threads
     grad = torch.randn(storage.trainable_numel, generator=torch.Generator().manual_seed(2)).to(grad_dtype)
     master, moments = _reference_step(storage, optimizer, grad.float(), precision, step=4)
     adam.schedule(0)
     adam.put(DeferredUpdate(0, snapshot(optimizer, 4, None), grad))
     adam.drain()
     adam.worker.stop()
+    adam.close()
     assert torch.equal(storage.master, master)
     for got, expected in zip((storage.exp_avg, storage.exp_avg_sq), moments):
         assert torch.equal(got.values, expected[0])

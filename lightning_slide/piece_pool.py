@@ -1,0 +1,64 @@
+"""CPU threads for work split into cache-sized pieces, each thread running its torch ops on one core.
+
+Why: torch spreads every CPU op over all its intra-op threads, and for an op over a cache-sized piece the fork and
+join cost more than the op. Updating compact Adam moments takes some twenty ops per 256K-element piece; on an H200
+machine's 16 cores, run that way, it managed 0.10 G elements/s with 8-bit moments and 0.41 with bf16 ones (fused
+AdamW over whole fp32 units: 3.41), and smaller pieces were slower in proportion to their number. Here each thread
+runs its ops on its own core (`torch.set_num_threads` holds for the calling thread's own parallel regions under
+OpenMP, ATen's CPU backend), the pieces are spread over the threads, and a piece stays in one core's cache from its
+first op to its last. The ops release the GIL while they run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+import torch
+
+S = TypeVar("S")
+
+
+def pool_threads() -> int:
+    """How many threads a pool made now has: the calling thread's intra-op thread count (OMP_NUM_THREADS or
+    `torch.set_num_threads`; by default the machine's physical cores)."""
+    return torch.get_num_threads()
+
+
+class PiecePool(Generic[S]):
+    """`threads` single-core threads, each with its own scratch (`make_scratch()`, made on that thread)."""
+
+    def __init__(self, threads: int, make_scratch: Callable[[], S]) -> None:
+        self.threads = threads
+        self._local = threading.local()
+        self._make_scratch = make_scratch
+        started = threading.Barrier(threads)
+        before = torch.get_num_threads()
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="slide-pieces")
+        # every thread starts now (the barrier holds each start until all run) and sets its own thread count
+        list(self._executor.map(lambda _: self._start(started), range(threads)))
+        torch.set_num_threads(before)  # the process-wide count that threads made later start with
+
+    def _start(self, started: threading.Barrier) -> None:
+        torch.get_num_threads()  # this thread takes the process's count first, then lowers its own
+        torch.set_num_threads(1)
+        self._local.scratch = self._make_scratch()
+        started.wait()
+
+    def run(self, work: Callable[[S, int, int], None], n: int, piece: int) -> None:
+        """`work(scratch, a, b)` for each piece [a, b) of range(n), `piece` long (the last one shorter); returns
+        once all are done and raises the first error any of them raised. Thread k takes pieces k, k + threads,
+        ...: one task per thread, not per piece (a task's hand-off costs tens of microseconds)."""
+        pieces = -(-n // piece)
+        futures = [self._executor.submit(self._run, work, n, piece, k) for k in range(min(self.threads, pieces))]
+        for future in futures:
+            future.result()
+
+    def _run(self, work: Callable[[S, int, int], None], n: int, piece: int, first: int) -> None:
+        for a in range(first * piece, n, self.threads * piece):
+            work(self._local.scratch, a, min(a + piece, n))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
