@@ -146,7 +146,7 @@ def main() -> None:
             "total_gib": {w: plan.total(w) / GiB for w in ("gpu", "pinned", "ram", "disk")}},
         "engine": clock.stats,
     }
-    variant = ("-master" if args.nvme_master else "") + (
+    variant = (f"-mb{args.micro_batch}" if args.micro_batch != 8 else "") + ("-master" if args.nvme_master else "") + (
         f"-{args.moment_precision}" if args.moment_precision != "fp32" else "") + ("-clip" if args.clip else "")
     out = Path(args.out) / f"capacity-{args.model}-{args.offload}{variant}.json"
     out.write_text(json.dumps(record, indent=2))

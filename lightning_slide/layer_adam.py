@@ -161,13 +161,17 @@ class DeferredUpdate:
 
 class Scratch:
     """One thread's buffers for an update's pieces: both moments decoded to fp32, the codecs' int32 work room, and
-    the gradient widened to fp32 (made on first use: a run whose gradients are fp32 never needs it)."""
+    the gradient widened to fp32 (without compact moments made on first use: a run whose gradients are fp32 never
+    needs it)."""
 
     def __init__(self, moment_elems: int, elems: int) -> None:
         self.moments = [torch.empty(moment_elems) for _ in range(2)]
         self.work = torch.empty(2, moment_elems, dtype=torch.int32)
         self.elems = elems
-        self._wide: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = torch.empty(elems) if moment_elems else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.moments, self.work, self._wide) if t is not None]
 
     def widened(self, grad: torch.Tensor) -> torch.Tensor:
         """`grad` in fp32: as it is, or copied into this thread's buffer."""
@@ -290,6 +294,11 @@ class LayerAdam:
         if item.plan is not None and item.plan.norm is not None:
             item.plan.norm.add(acc)
         return acc
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every scratch buffer of this thread and the pool's."""
+        scratches = [self.scratch, *(self.pool.scratches if self.pool is not None else [])]
+        return [t for scratch in scratches for t in scratch.tensors()]
 
     def close(self) -> None:
         """Stop the pool threads (after the optimizer thread has stopped)."""

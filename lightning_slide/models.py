@@ -77,6 +77,27 @@ def _qwen3(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
     )
 
 
+def _mistral(vocab: int, hidden: int, layers: int, intermediate: int, rope_theta: float,
+             sliding_window: int | None) -> dict:
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        sliding_window=sliding_window,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+    )
+
+
 #: name -> (HF config class, config kwargs). `tiny` is the CPU demo: a Llama small enough to learn
 #: visibly in a minute on two cores, with the vocabulary of the built-in byte-level tokenizer.
 MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
@@ -121,26 +142,9 @@ MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     ),
     "qwen3_8b": (Qwen3Config, _qwen3(4096, 36, 32, 12288)),
     "qwen3_14b": (Qwen3Config, _qwen3(5120, 40, 40, 17408)),
-    "mistral_7b": (
-        MistralConfig,
-        dict(
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            sliding_window=4096,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            dtype="bfloat16",
-        ),
-    ),
+    "mistral_7b": (MistralConfig, _mistral(32000, 4096, 32, 14336, rope_theta=10000.0, sliding_window=4096)),
+    "mistral_small_24b": (  # Mistral-Small-24B-Base-2501
+        MistralConfig, _mistral(131072, 5120, 40, 32768, rope_theta=100000000.0, sliding_window=None)),
 }
 
 

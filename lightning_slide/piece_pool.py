@@ -34,6 +34,7 @@ class PiecePool(Generic[S]):
         self.threads = threads
         self._local = threading.local()
         self._make_scratch = make_scratch
+        self.scratches: list[S] = []  # every thread's
         started = threading.Barrier(threads)
         before = torch.get_num_threads()
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="slide-pieces")
@@ -45,6 +46,7 @@ class PiecePool(Generic[S]):
         torch.get_num_threads()  # this thread takes the process's count first, then lowers its own
         torch.set_num_threads(1)
         self._local.scratch = self._make_scratch()
+        self.scratches.append(self._local.scratch)
         started.wait()
 
     def run(self, work: Callable[[S, int, int], None], n: int, piece: int) -> None:

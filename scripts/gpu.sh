@@ -22,6 +22,9 @@
 #                                                                                   -> results/compact/
 #   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
 #                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
+#   bash scripts/gpu.sh compact-scale  one model with 8-bit moments, 3 steps (benchmarks/capacity.py): MODEL=qwen3_14b
+#                                       (or mistral_small_24b with OFFLOAD=nvme), MB=8 (or 64) x 1024 tokens
+#                                                                                   -> results/compact/
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
 #   bash scripts/gpu.sh crash   the whole crash cycle at 1B: the run uninterrupted, then checkpoint, SIGKILL,
@@ -46,7 +49,7 @@ python3 -c "import torch, triton, transformers, lightning; print(torch.__version
 
 case "${1:-check}" in
   check)
-    timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout 300 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     ;;
   ops)
     timeout "${OPS_TIMEOUT:-300}" python3 benchmarks/bench_ops.py --out /tmp/ops --commit "$COMMIT" \
@@ -107,6 +110,12 @@ case "${1:-check}" in
         --moment-precision "$@" --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-${variant// /}.log"
       tail -14 "$OUT/capacity-8b-${variant// /}.log"
     done
+    ;;
+  compact-scale)
+    timeout 570 python3 -m benchmarks.capacity --model "${MODEL:-qwen3_14b}" --offload "${OFFLOAD:-cpu}" --steps 3 \
+      --micro-batch "${MB:-8}" --moment-precision int8 --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 \
+      > "$OUT/capacity-${MODEL:-qwen3_14b}-int8-mb${MB:-8}.log"; tail -14 "$OUT/capacity-${MODEL:-qwen3_14b}-int8-mb${MB:-8}.log"
+    df -h /tmp | tee -a "$OUT/machine.txt"
     ;;
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"

@@ -14,6 +14,7 @@ PUBLISHED_PARAMS = {
     "qwen3_8b": 8_190_735_360,
     "qwen3_14b": 14_768_307_200,
     "mistral_7b": 7_241_732_096,
+    "mistral_small_24b": 23_572_403_200,
 }
 
 

@@ -41,7 +41,7 @@ def _engine_bytes(engine: SlideEngine) -> int:
     """Every buffer the engine allocated at construction: host state, slots, landing ring."""
     state = [t for s in engine.storages
              for t in (s.master, s.max_exp_avg_sq, s.shadow, s.grad_acc, *_packed(s.exp_avg), *_packed(s.exp_avg_sq))]
-    state += engine.adam.scratch + [codec.noise for codec in engine.moments.codecs[:1] if hasattr(codec, "noise")]
+    state += engine.adam.buffers() + [codec.noise for codec in engine.moments.codecs[:1] if hasattr(codec, "noise")]
     window = engine.window
     slots = [s.params for s in [*window.ring, *window.dedicated.values()]] + [
         b.grads for b in [*window.block_grads, *window.dedicated_grads.values()]]
