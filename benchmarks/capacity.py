@@ -149,6 +149,7 @@ def main() -> None:
     variant = (f"-mb{args.micro_batch}" if args.micro_batch != 8 else "") + ("-master" if args.nvme_master else "") + (
         f"-{args.moment_precision}" if args.moment_precision != "fp32" else "") + ("-clip" if args.clip else "")
     out = Path(args.out) / f"capacity-{args.model}-{args.offload}{variant}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
     print(json.dumps({k: record[k] for k in ("ok", "error", "step_s", "tokens_per_s", "measured",
                                              "peak_rss_bytes_per_param")}, indent=2))

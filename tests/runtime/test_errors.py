@@ -17,14 +17,16 @@ def _fit(module, strategy="slideformer", **kwargs):
     trainer(strategy, 2, **kwargs).fit(module, DataLoader(token_batches(4), batch_size=None))
 
 
-def test_a_failing_optimizer_thread_stops_fit_with_its_error(monkeypatch, deadline):
+@pytest.mark.parametrize("precision", ["fp32", "int8"], ids=["optimizer-thread", "compact-pool-thread"])
+def test_a_failing_optimizer_thread_stops_fit_with_its_error(precision, monkeypatch, deadline):
+    """With compact moments the update runs on the pool's threads: their error reaches the loop the same way."""
     def broken(*args, **kwargs):
         raise FloatingPointError("injected failure in the CPU update")
 
     monkeypatch.setattr(layer_adam, "adam_", broken)
     start = time.perf_counter()
     with pytest.raises(WorkerError, match="injected failure"):
-        _fit(CausalLM(tiny_model()))
+        _fit(CausalLM(tiny_model()), SlideStrategy(moment_precision=precision))
     assert time.perf_counter() - start < 30
 
 
