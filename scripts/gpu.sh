@@ -32,8 +32,10 @@
 #                                                                                   -> results/e2e/
 #   bash scripts/gpu.sh packing  packed against padded SFT batches at 1B, seq 2048 (benchmarks/packing.py;
 #                                       MODEL= another architecture)                -> results/packing/
-# Writes logs and results under $OUT. Wheels in .whl/ (DeepSpeed and what it lacks, for an offline machine) are
-# installed into /tmp/site first.
+# Writes logs and results under $OUT. Wheels in .whl/ are installed into /tmp/site first, for an offline machine:
+# DeepSpeed and what it lacks, hydra-core/omegaconf/antlr4 for train.py, and kvikio-cu13, libkvikio-cu13,
+# rapids-logger, nvidia-cufile and cuda-pathfinder for the disk tier's direct I/O (without them `check` skips the
+# tests that ask for gds='on').
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
