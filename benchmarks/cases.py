@@ -273,7 +273,7 @@ def _long() -> list[Case]:
 
     8B at 65,536 and 131,072 tokens: its saved inputs (34 x 1 GiB at 131,072) do not fit beside the 92 GiB of
     fp32 state in 126 GiB of RAM, so they go to the disk tier; two ring slots and two gradient buffers leave
-    0.8 GiB more of the cap to the block's recompute. 3B at 131,072 and 262,144 tokens, saved inputs in pinned
+    0.8 GiB more of the cap to the block's recompute. 3B at 196,608 and 262,144 tokens, saved inputs in pinned
     RAM (45 GiB at 262,144). Llama-3.2-3B's config declares 131,072 positions: the benchmark config stretches
     RoPE linearly past that (`benchmarks.build.hf_config`), as a run beyond the declared context must. A rung
     the planner refuses fails at once with its message, which names the longest sequence that fits.
@@ -282,7 +282,7 @@ def _long() -> list[Case]:
     return [
         ladder("slide", "llama3_8b", "seq_len", (65536, 131072), time_cap_s=220, steps_per_rung=1,
                slide_settings=(*ACTIVATIONS_ON_DISK, ("slots", 2), ("block_grad_buffers", 2), *tiles)),
-        ladder("slide", "llama3_3b", "seq_len", (131072, 262144), time_cap_s=360, steps_per_rung=1,
+        ladder("slide", "llama3_3b", "seq_len", (196608, 262144), time_cap_s=410, steps_per_rung=1,
                slide_settings=tiles),
     ]
 

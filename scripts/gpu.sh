@@ -11,9 +11,9 @@
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
 #   bash scripts/gpu.sh long    the tiled MLP's GPU tests, one block tiled and untiled (benchmarks/tiled_block.py:
 #                                       the cost of 8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
-#                                       `long` ladders: 8B at 65,536 and 131,072 tokens, 3B at 131,072 and 262,144
-#                                       (about 7 minutes; 10 if the planner admits 3B at 262,144; CASES= runs
-#                                       one ladder)                                         -> results/long/
+#                                       `long` ladders: 8B at 65,536 and 131,072 tokens, 3B at 196,608 and 262,144
+#                                       (about 7 minutes; CASES=llama3_3b-cap24-slide-cpu-tiles-auto-max-seq runs
+#                                       the 3B one alone)                                   -> results/long/
 #   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's shapes with 8 of its 16 blocks
 #                                       (LAYERS=16 for all of them; at 4x512 tokens the CPU update binds each step)
 #                                       on the built-in corpus, then fine-tuning, fp32 beside PRECISION=int8 (or
