@@ -197,9 +197,8 @@ class LayerAdam:
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
         largest = max((s.trainable_numel for s in storages), default=0)
         self.compact = moments.precision != "fp32"
-        piece = self.widen_elems(largest, moments.precision)
+        self.piece = piece = self.widen_elems(largest, moments.precision)
         self.scratch = Scratch(0, piece)  # this thread's: fp32 moments need no scratch
-        self.piece = piece
         self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
@@ -279,7 +278,7 @@ class LayerAdam:
         if self.pool is not None:
             self.pool.run(piece, n, self.piece)
         else:
-            step = self.scratch.elems if grad.dtype != torch.float32 else max(n, 1)
+            step = self.piece if grad.dtype != torch.float32 else max(n, 1)
             for a in range(0, n, step):
                 piece(self.scratch, a, min(a + step, n))
         done()

@@ -33,19 +33,18 @@ class PiecePool(Generic[S]):
     def __init__(self, threads: int, make_scratch: Callable[[], S]) -> None:
         self.threads = threads
         self._local = threading.local()
-        self._make_scratch = make_scratch
         self.scratches: list[S] = []  # every thread's
         started = threading.Barrier(threads)
         before = torch.get_num_threads()
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="slide-pieces")
         # every thread starts now (the barrier holds each start until all run) and sets its own thread count
-        list(self._executor.map(lambda _: self._start(started), range(threads)))
+        list(self._executor.map(lambda _: self._start(make_scratch, started), range(threads)))
         torch.set_num_threads(before)  # the process-wide count that threads made later start with
 
-    def _start(self, started: threading.Barrier) -> None:
+    def _start(self, make_scratch: Callable[[], S], started: threading.Barrier) -> None:
         torch.get_num_threads()  # this thread takes the process's count first, then lowers its own
         torch.set_num_threads(1)
-        self._local.scratch = self._make_scratch()
+        self._local.scratch = make_scratch()
         self.scratches.append(self._local.scratch)
         started.wait()
 
