@@ -18,7 +18,18 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Adam, AdamW, Optimizer
 
-from lightning_slide.moment_codec import SCRATCH_ELEMS, MomentPrecision
+from lightning_slide.moment_codec import (
+    BLOCK,
+    NOISE_PERIOD,
+    SCRATCH_ELEMS,
+    MomentCodec,
+    MomentPrecision,
+    Packed,
+    decode_piece,
+    encode_piece,
+    noise_position,
+    scripted,
+)
 from lightning_slide.moments import Moments
 from lightning_slide.norm import GlobalNorm
 from lightning_slide.piece_pool import PiecePool, pool_threads
@@ -97,39 +108,80 @@ def validate_optimizer(optimizer: Optimizer, precision: MomentPrecision = "fp32"
 
 
 def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, master: torch.Tensor,
-          exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-    """AdamW over [start, start + len(grad)) of a unit's trainable range, one fused call per group segment.
+          moments: tuple[Packed, Packed], codecs: tuple[MomentCodec, MomentCodec], scratch: Scratch,
+          piece: int, first: int = 0, stride: int = 1) -> None:
+    """AdamW over [start, start + len(grad)) of a unit's trainable range: the pieces first, first + stride, ...
+    of `piece` elements, each decoded (compact moments), updated by one fused call per group segment and
+    encoded again, all in one TorchScript call (`_adam_pieces`).
 
-    `master`, `exp_avg` and `exp_avg_sq` cover the same range (views of RAM, or buffers read from the disk
-    tier); the shadow copy that loads read is refreshed from `master` while it is at hand.
+    `master` and the moments cover the same range (views of RAM, or buffers read from the disk tier); the shadow
+    copy that loads read is refreshed from `master` while it is at hand.
     """
-    end = start + grad.numel()
-    for seg in storage.segments:
-        a, b = max(start, seg.start), min(end, seg.end)
-        if a >= b:
-            continue
-        h = plan.groups[seg.group]
-        update = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
-        local = slice(a - start, b - start)
-        update(
-            [master[local]],
-            [grad[local]],
-            [exp_avg[local]],
-            [exp_avg_sq[local]],
-            [storage.max_exp_avg_sq[a:b]] if h.amsgrad else [],
-            [plan.step_tensor],
-            amsgrad=h.amsgrad,
-            lr=h.lr,
-            beta1=h.beta1,
-            beta2=h.beta2,
-            weight_decay=h.weight_decay,
-            eps=h.eps,
-            maximize=h.maximize,
-            grad_scale=plan.grad_scale,
-            found_inf=None,
-        )
-    if storage.shadow is not None:
-        storage.shadow[start:end].copy_(master)
+    groups = [plan.groups[seg.group] for seg in storage.segments]
+    scripted(_adam_pieces)(
+        first, stride, piece, start, grad, master, codecs[0].precision, [m.values for m in moments],
+        [m.scales for m in moments], [c.shift for c in codecs], codecs[0].noise,
+        [noise_position(plan.step, storage.index, k, start) for k in range(2)], NOISE_PERIOD, BLOCK,
+        scratch.moments, scratch.moment_bits, scratch.work, scratch.work_f, scratch.wide_for(grad),
+        [b for seg in storage.segments for b in (seg.start, seg.end)],
+        [[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in groups],
+        [[h.decoupled, h.amsgrad, h.maximize] for h in groups],
+        storage.max_exp_avg_sq, plan.step_tensor, plan.grad_scale, storage.shadow)
+
+
+def _adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Tensor, master: torch.Tensor,
+                 precision: str, values: list[torch.Tensor], scales: list[torch.Tensor | None], shifts: list[int],
+                 noise: torch.Tensor, positions: list[int], period: int, block: int, out: list[torch.Tensor],
+                 out_bits: list[torch.Tensor], work: torch.Tensor, work_f: torch.Tensor, wide: torch.Tensor,
+                 bounds: list[int], hyper: list[list[float]], flags: list[list[bool]],
+                 max_exp_avg_sq: torch.Tensor | None, step_tensor: torch.Tensor, grad_scale: torch.Tensor | None,
+                 shadow: torch.Tensor | None) -> list[list[torch.Tensor]]:
+    """`adam_`'s loop, compiled by TorchScript: its interpreter runs the ops without Python's global lock (see
+    `moment_codec`), so an update costs the lock once per call, not once per op. Returns the master pieces the
+    fused calls updated: TorchScript's dead-code pass does not see writes through a list of views, and would drop
+    the calls if nothing used their lists."""
+    updated: list[list[torch.Tensor]] = []
+    n = grad.numel()
+    a = first * piece
+    while a < n:
+        b = min(a + piece, n)
+        wide_moments: list[torch.Tensor] = []
+        for k in range(2):
+            s = scales[k]
+            piece_scales = None if s is None else s[a // block : (b + block - 1) // block]
+            wide_moments.append(decode_piece(precision, values[k][a:b], piece_scales, out[k], out_bits[k], work,
+                                             k == 0, shifts[k], block))
+        g = grad[a:b] if grad.dtype == torch.float32 else wide[: b - a].copy_(grad[a:b])
+        for seg in range(len(hyper)):
+            lo, hi = max(start + a, bounds[2 * seg]), min(start + b, bounds[2 * seg + 1])
+            if lo >= hi:
+                continue
+            i, j = lo - start - a, hi - start - a
+            h, decoupled, amsgrad, maximize = hyper[seg], flags[seg][0], flags[seg][1], flags[seg][2]
+            kept: list[torch.Tensor] = []
+            if amsgrad and max_exp_avg_sq is not None:
+                kept = [max_exp_avg_sq[lo:hi]]
+            p, d, m, v = [master[a + i : a + j]], [g[i:j]], [wide_moments[0][i:j]], [wide_moments[1][i:j]]
+            if decoupled:
+                torch._fused_adamw_(p, d, m, v, kept, [step_tensor], lr=h[0], beta1=h[1], beta2=h[2],
+                                    weight_decay=h[4], eps=h[3], amsgrad=amsgrad, maximize=maximize,
+                                    grad_scale=grad_scale, found_inf=None)
+            else:
+                torch._fused_adam_(p, d, m, v, kept, [step_tensor], lr=h[0], beta1=h[1], beta2=h[2],
+                                   weight_decay=h[4], eps=h[3], amsgrad=amsgrad, maximize=maximize,
+                                   grad_scale=grad_scale, found_inf=None)
+            updated.append(p)
+        if shadow is not None:
+            shadow[start + a : start + b].copy_(master[a:b])
+        if precision != "fp32":
+            for k in range(2):
+                s = scales[k]
+                x = wide_moments[k]
+                encode_piece(precision, x, out_bits[k][: b - a], values[k][a:b],
+                        None if s is None else s[a // block : (b + block - 1) // block], work, work_f, k == 0,
+                        shifts[k], block, noise, (positions[k] + a) % period)
+        a += stride * piece
+    return updated
 
 
 @dataclass
@@ -160,26 +212,28 @@ class DeferredUpdate:
 
 
 class Scratch:
-    """One thread's buffers for an update's pieces: both moments decoded to fp32, the codecs' int32 work room, and
-    the gradient widened to fp32 (without compact moments made on first use: a run whose gradients are fp32 never
-    needs it)."""
+    """One thread's buffers for an update's pieces: both moments decoded to fp32 (and their int32 views), the
+    codecs' int32 work room, and the gradient widened to fp32 (made on first use without compact moments: a run
+    whose gradients are fp32 never needs it)."""
 
     def __init__(self, moment_elems: int, elems: int) -> None:
         self.moments = [torch.empty(moment_elems) for _ in range(2)]
+        self.moment_bits = [m.view(torch.int32) for m in self.moments]
         self.work = torch.empty(2, moment_elems, dtype=torch.int32)
+        self.work_f = self.work[0].view(torch.float32)
         self.elems = elems
         self._wide: torch.Tensor | None = torch.empty(elems) if moment_elems else None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.moments, self.work, self._wide) if t is not None]
 
-    def widened(self, grad: torch.Tensor) -> torch.Tensor:
-        """`grad` in fp32: as it is, or copied into this thread's buffer."""
+    def wide_for(self, grad: torch.Tensor) -> torch.Tensor:
+        """Room for `grad`'s pieces in fp32 (an empty tensor when `grad` is fp32 already)."""
         if grad.dtype == torch.float32:
-            return grad
+            return torch.empty(0)
         if self._wide is None:
             self._wide = torch.empty(self.elems)
-        return self._wide[: grad.numel()].copy_(grad)
+        return self._wide
 
 
 class LayerAdam:
@@ -264,23 +318,14 @@ class LayerAdam:
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
         """AdamW over [start, start + len(grad)) of `unit`, in pieces where something is widened to fp32 first:
-        compact moments (each piece decoded, updated and encoded again by one pool thread) or a gradient held in
-        the compute dtype (torch's fused AdamW takes fp32 grads for fp32 weights)."""
+        compact moments (the pool's threads taking every threads-th piece each) or a gradient held in the compute
+        dtype (torch's fused AdamW takes fp32 grads for fp32 weights)."""
         (master, *moments), done = self.moments.open(unit, start, grad.numel())
-        codecs, n = self.moments.codecs, grad.numel()
-
-        def piece(scratch: Scratch, a: int, b: int) -> None:
-            wide = [c.decode(m[a:b], s, scratch.work) for c, m, s in zip(codecs, moments, scratch.moments)]
-            adam_(self.storages[unit], plan, start + a, scratch.widened(grad[a:b]), master[a:b], *wide)
-            for c, x, m in zip(codecs, wide, moments):
-                c.encode(x, m[a:b], plan.step, unit, start + a, scratch.work)
-
+        args = (self.storages[unit], plan, start, grad, master, tuple(moments), self.moments.codecs)
         if self.pool is not None:
-            self.pool.run(piece, n, self.piece)
+            self.pool.run(lambda scratch, first, stride: adam_(*args, scratch, self.piece, first, stride))
         else:
-            step = self.piece if grad.dtype != torch.float32 else max(n, 1)
-            for a in range(0, n, step):
-                piece(self.scratch, a, min(a + step, n))
+            adam_(*args, self.scratch, self.piece if grad.dtype != torch.float32 else max(grad.numel(), 1))
         done()
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:

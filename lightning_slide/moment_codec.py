@@ -26,8 +26,9 @@ update is torch's AdamW's exactly; only the moments lose precision, on the write
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -36,7 +37,6 @@ from lightning_slide.config import INT8_BLOCK, MomentPrecision
 BLOCK = INT8_BLOCK  # int8: elements per absmax scale (bitsandbytes' block for its 8-bit blockwise optimizers)
 SCRATCH_ELEMS = 1 << 18  # a compact update's piece: its fp32 moments are 1 MiB each, within the CPU's L2/L3
 NOISE_PERIOD = 1 << 20  # bf16: the stochastic-rounding table's length (random 16-bit values)
-_LOW16 = 0xFFFF0000 - (1 << 32)  # as int32: the mask that drops an fp32's low 16 bits (what bf16 keeps)
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,79 @@ def noise_position(step: int, unit: int, moment: int, index: int) -> int:
     return (index + step * 0x9E3779B1 + unit * 0x85EBCA77 + moment * 0xC2B2AE3D) % NOISE_PERIOD
 
 
-def stochastic_round_(x: torch.Tensor, position: int) -> torch.Tensor:
-    """Round fp32 `x` in place to bf16-representable values: up in magnitude with the probability of the
-    dropped 16 bits (adding a uniform 16-bit integer to them carries into the kept bits that often)."""
-    bits = x.view(torch.int32)
-    bits.add_(_noise()[position : position + x.numel()])
-    return bits.bitwise_and_(_LOW16).view(torch.float32)
+# The codecs' arithmetic, in TorchScript: its interpreter runs a function's ops without Python's global lock, so
+# the pool threads that update compact moments (`piece_pool`) each run on their own core while the training
+# thread runs Python. Called op by op from Python instead, each of a piece's ops waits for the lock: with one
+# thread spinning in Python beside it, an 8-bit update of 32M elements on two threads took 30 s against 0.1 s.
+# (TorchScript takes no module constants: BLOCK arrives as `block`, and the smallest normal fp32 is spelt out.)
+
+
+def _int8_values(codes: torch.Tensor, out: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, signed: bool,
+                 shift: int) -> torch.Tensor:
+    """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq), into `out` (fp32; `bits` is
+    its int32 view). The code's bits, shifted into an fp32's exponent and mantissa, are that value times 2^-112
+    (subnormal below 2^-126, exactly as a code below 2^-14 is): one multiplication rebiases it."""
+    bits.copy_(codes)
+    if signed:
+        sign = torch.bitwise_and(bits, 0x80, out=work[0, : bits.numel()]).bitwise_left_shift_(24)
+        bits.bitwise_and_(0x7F).bitwise_left_shift_(shift).bitwise_or_(sign)
+    else:
+        bits.bitwise_left_shift_(shift)
+    return out.mul_(2.0**112)
+
+
+def _int8_codes(y: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, signed: bool, shift: int) -> torch.Tensor:
+    """The nearest code of each of `y` (|y| <= 1; clobbered; `bits` is its int32 view), as int32: y * 2^-112's
+    fp32 bits, rounded to the code's mantissa (ties to even, as IEEE rounding: a tie is common, e.g. where an
+    element is a simple fraction of its block's absmax; a carry moves to the next binade), shifted down."""
+    y.mul_(2.0**-112)
+    n = bits.numel()
+    magnitude = torch.bitwise_and(bits, 0x7FFFFFFF, out=work[0, :n]) if signed else bits
+    odd = torch.bitwise_right_shift(magnitude, shift, out=work[1, :n]).bitwise_and_(1)
+    magnitude.add_(odd.add_((1 << (shift - 1)) - 1)).bitwise_right_shift_(shift)
+    if signed:
+        magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
+    return magnitude
+
+
+def decode_piece(precision: str, values: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor,
+                 out_bits: torch.Tensor, work: torch.Tensor, signed: bool, shift: int, block: int) -> torch.Tensor:
+    """A piece of a moment as fp32: the stored tensor itself (fp32), or widened into `out` (`out_bits` its int32
+    view)."""
+    n = values.numel()
+    if precision == "fp32":
+        return values
+    if precision == "bf16":
+        return out[:n].copy_(values)
+    assert scales is not None
+    x = _int8_values(values, out[:n], out_bits[:n], work, signed, shift)
+    full = n // block
+    x[: full * block].view(-1, block).mul_(scales[:full].unsqueeze(1))
+    if n % block:
+        x[full * block :].mul_(scales[-1])
+    return x if signed else x.square_()
+
+
+def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: torch.Tensor,
+                 scales: torch.Tensor | None, work: torch.Tensor, work_f: torch.Tensor, signed: bool, shift: int,
+                 block: int, noise: torch.Tensor, position: int) -> None:
+    """Store fp32 `x` (clobbered; `x_bits` its int32 view) into a piece of a bf16 or int8 moment; `work_f` is
+    `work`'s first row as fp32. bf16 rounds with the noise from `position` on."""
+    n = x.numel()
+    if precision == "bf16":  # up in magnitude with the probability of the dropped 16 bits
+        x_bits.add_(noise[position : position + n]).bitwise_and_(-65536)
+        values.copy_(x)
+        return
+    assert scales is not None
+    full = n // block
+    magnitudes = torch.abs(x, out=work_f[:n]) if signed else x.sqrt_()  # the root of exp_avg_sq is its magnitude
+    torch.amax(magnitudes[: full * block].view(-1, block), dim=[1], out=scales[:full])
+    x[: full * block].view(-1, block).div_(scales[:full].clamp(min=1.1754943508222875e-38).unsqueeze(1))
+    if n % block:
+        tail = x[full * block :]
+        scales[-1] = tail.abs().max()
+        tail.div_(scales[-1].clamp(min=1.1754943508222875e-38))
+    values.copy_(_int8_codes(x, x_bits, work, signed, shift))
 
 
 class MomentCodec:
@@ -87,6 +154,8 @@ class MomentCodec:
 
     def __init__(self, moment: int) -> None:
         self.moment = moment  # 0: exp_avg (signed), 1: exp_avg_sq (non-negative)
+        self.shift = 23 - (3 if moment == 0 else 4)  # int8: the fp32 mantissa bits a code drops
+        self.noise = _noise() if self.precision == "bf16" else torch.empty(0, dtype=torch.int32)
 
     def bytes_for(self, elements: int) -> int:
         """Host bytes of this moment over `elements` (one unit's trainable range)."""
@@ -109,32 +178,33 @@ class MomentCodec:
 
     def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
         """The piece as fp32 (into `scratch` unless it is fp32 already). `work`, if given, is int32 room for two
-        tensors of the piece's size (2 x n or more) that the codec may use instead of allocating: a large CPU
-        allocation maps fresh pages each time, and threads doing so contend on the process's memory map."""
-        return packed.values
+        tensors of the piece's size (2 x n or more) that the codec uses instead of allocating."""
+        work = self.work(work, packed.numel())
+        return scripted(decode_piece)(self.precision, packed.values, packed.scales, scratch, scratch.view(torch.int32),
+                                work, self.moment == 0, self.shift, BLOCK)
 
     def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
                work: torch.Tensor | None = None) -> None:
         """Store fp32 `x` (element `index` of the unit onwards, at `step`) into `packed`; `x` may be clobbered;
         `work` as for `decode`."""
-        if x.data_ptr() != packed.values.data_ptr():
-            packed.values.copy_(x)
+        if self.precision == "fp32":
+            if x.data_ptr() != packed.values.data_ptr():
+                packed.values.copy_(x)
+            return
+        work = self.work(work, x.numel())
+        scripted(encode_piece)(self.precision, x, x.view(torch.int32), packed.values, packed.scales, work,
+                         work[0].view(torch.float32), self.moment == 0, self.shift, BLOCK, self.noise,
+                         noise_position(step, unit, self.moment, index))
+
+    @staticmethod
+    def work(work: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The int32 work room (2 x n): `work`, or made now."""
+        return torch.empty(2, n, dtype=torch.int32) if work is None else work
 
 
 class Bf16Codec(MomentCodec):
     precision: MomentPrecision = "bf16"
     dtype = torch.bfloat16
-
-    def __init__(self, moment: int) -> None:
-        super().__init__(moment)
-        self.noise = _noise()  # made once per process, shared by both moments
-
-    def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
-        return scratch[: packed.numel()].copy_(packed.values)
-
-    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
-               work: torch.Tensor | None = None) -> None:
-        packed.values.copy_(stochastic_round_(x, noise_position(step, unit, self.moment, index)))
 
 
 class Int8Codec(MomentCodec):
@@ -148,8 +218,10 @@ class Int8Codec(MomentCodec):
 
     def __init__(self, moment: int) -> None:
         super().__init__(moment)
-        self.shift = 23 - (3 if moment == 0 else 4)  # fp32 mantissa bits a code drops
-        self.qmap = self._values(torch.arange(256, dtype=torch.int32).to(torch.uint8))  # what each code means
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        out = torch.empty(256)
+        self.qmap = _int8_values(codes, out, out.view(torch.int32), torch.empty(2, 256, dtype=torch.int32),
+                                 moment == 0, self.shift)  # what each code means
 
     def bytes_for(self, elements: int) -> int:
         """The codes (padded to 4 bytes, so that the scales after them can be read as fp32), then the scales."""
@@ -170,71 +242,18 @@ class Int8Codec(MomentCodec):
             return Packed(raw[:elements], raw[start : start + 4 * blocks].view(torch.float32))
         return Packed(raw[:elements], words[start // 4 : start // 4 + blocks])
 
-    def _values(self, codes: torch.Tensor, out: torch.Tensor | None = None,
-                work: torch.Tensor | None = None) -> torch.Tensor:
-        """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq). The code's bits, shifted
-        into an fp32's exponent and mantissa, are that value times 2^-112 (subnormal below 2^-126, exactly as
-        a code below 2^-14 is): one multiplication rebiases it."""
-        bits = (torch.empty(codes.numel(), dtype=torch.int32) if out is None else out.view(torch.int32)).copy_(codes)
-        if self.moment == 0:
-            sign = torch.bitwise_and(bits, 0x80, out=_room(work, 0, bits.numel())).bitwise_left_shift_(24)
-            bits.bitwise_and_(0x7F).bitwise_left_shift_(self.shift).bitwise_or_(sign)
-        else:
-            bits.bitwise_left_shift_(self.shift)
-        return bits.view(torch.float32).mul_(2.0**112)
-
-    def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
-        x = self._values(packed.values, scratch[: packed.numel()], work)
-        _per_block(x).mul_(packed.scales[: x.numel() // BLOCK, None])
-        if x.numel() % BLOCK:
-            _tail(x).mul_(packed.scales[-1])
-        return x if self.moment == 0 else x.square_()
-
-    def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
-               work: torch.Tensor | None = None) -> None:
-        scales, full = packed.scales, x.numel() // BLOCK
-        if self.moment == 1:  # the root of exp_avg_sq: never negative, its absmax is its max
-            torch.amax(_per_block(x.sqrt_()), dim=1, out=scales[:full])
-        else:
-            room = _room(work, 0, x.numel())
-            magnitudes = x.abs() if room is None else torch.abs(x, out=room.view(torch.float32))
-            torch.amax(_per_block(magnitudes), dim=1, out=scales[:full])
-        _per_block(x).div_(scales[:full, None].clamp(min=torch.finfo(torch.float32).tiny))
-        if x.numel() % BLOCK:
-            tail = _tail(x)
-            scales[-1] = tail.abs().max()
-            tail.div_(scales[-1].clamp(min=torch.finfo(torch.float32).tiny))
-        packed.values.copy_(self._codes(x, work))
-
-    def _codes(self, y: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
-        """The nearest code of each of `y` (|y| <= 1; clobbered), as int32: y * 2^-112's fp32 bits, rounded to
-        the code's mantissa (ties to even, as IEEE rounding: a tie is common, e.g. where an element is a
-        simple fraction of its block's absmax; a carry moves to the next binade), shifted down."""
-        bits = y.mul_(2.0**-112).view(torch.int32)
-        n = bits.numel()
-        magnitude = bits if self.moment == 1 else torch.bitwise_and(bits, 0x7FFFFFFF, out=_room(work, 0, n))
-        odd = torch.bitwise_right_shift(magnitude, self.shift, out=_room(work, 1, n)).bitwise_and_(1)
-        magnitude.add_(odd.add_((1 << (self.shift - 1)) - 1)).bitwise_right_shift_(self.shift)
-        if self.moment == 0:
-            magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
-        return magnitude
-
-
-def _room(work: torch.Tensor | None, which: int, n: int) -> torch.Tensor | None:
-    """Row `which` of the int32 `work` buffer, n long; None (torch allocates) without one."""
-    return None if work is None else work[which, :n]
-
 
 def _codes_bytes(elements: int) -> int:
     return -(-elements // 4) * 4
 
 
-def _per_block(x: torch.Tensor) -> torch.Tensor:
-    return x[: x.numel() // BLOCK * BLOCK].view(-1, BLOCK)
-
-
-def _tail(x: torch.Tensor) -> torch.Tensor:
-    return x[x.numel() // BLOCK * BLOCK :]
+@cache
+def scripted(fn):
+    """`fn` compiled by TorchScript, once per process (torch 2.13 marks torch.jit.script deprecated, in favour of
+    torch.compile, which on the CPU builds C++ at run time: TorchScript needs no compiler)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(fn)
 
 
 _CODECS: dict[str, type[MomentCodec]] = {"fp32": MomentCodec, "bf16": Bf16Codec, "int8": Int8Codec}

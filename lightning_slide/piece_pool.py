@@ -48,18 +48,16 @@ class PiecePool(Generic[S]):
         self.scratches.append(self._local.scratch)
         started.wait()
 
-    def run(self, work: Callable[[S, int, int], None], n: int, piece: int) -> None:
-        """`work(scratch, a, b)` for each piece [a, b) of range(n), `piece` long (the last one shorter); returns
-        once all are done and raises the first error any of them raised. Thread k takes pieces k, k + threads,
-        ...: one task per thread, not per piece (a task's hand-off costs tens of microseconds)."""
-        pieces = -(-n // piece)
-        futures = [self._executor.submit(self._run, work, n, piece, k) for k in range(min(self.threads, pieces))]
+    def run(self, work: Callable[[S, int, int], None]) -> None:
+        """`work(scratch, k, threads)` on each thread k, which takes pieces k, k + threads, ... of the work: one
+        task per thread, not per piece (a task's hand-off costs tens of microseconds, and each costs Python's
+        global lock); returns once all are done and raises the first error any of them raised."""
+        futures = [self._executor.submit(self._run, work, k) for k in range(self.threads)]
         for future in futures:
             future.result()
 
-    def _run(self, work: Callable[[S, int, int], None], n: int, piece: int, first: int) -> None:
-        for a in range(first * piece, n, self.threads * piece):
-            work(self._local.scratch, a, min(a + piece, n))
+    def _run(self, work: Callable[[S, int, int], None], k: int) -> None:
+        work(self._local.scratch, k, self.threads)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -23,7 +23,8 @@
 #   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
 #                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
 #   bash scripts/gpu.sh compact-scale  one model with 8-bit moments, 3 steps (benchmarks/capacity.py): MODEL=qwen3_14b
-#                                       (or mistral_small_24b with OFFLOAD=nvme), MB=8 (or 64) x 1024 tokens
+#                                       (or mistral_small_24b with OFFLOAD=nvme), MB=8 (or 64) x 1024 tokens,
+#                                       TIMEOUT=s (570)
 #                                                                                   -> results/compact/
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
@@ -105,7 +106,8 @@ case "${1:-check}" in
     tail -40 "$OUT/compact.log"
     ;;
   compact-capacity)
-    timeout 100 python3 -m benchmarks.compact update --out "$OUT" --commit "$COMMIT" 2>&1 | tail -8
+    timeout 100 python3 -m benchmarks.compact update --threads 1 4 8 16 --pieces 262144 --out "$OUT" \
+      --commit "$COMMIT" 2>&1 | tail -8
     for variant in "fp32" "int8" "int8 --clip 1.0"; do
       set -- $variant
       timeout 160 python3 -m benchmarks.capacity --model llama3_8b --offload cpu --steps 4 --micro-batch 8 \
@@ -114,7 +116,7 @@ case "${1:-check}" in
     done
     ;;
   compact-scale)
-    timeout 570 python3 -m benchmarks.capacity --model "${MODEL:-qwen3_14b}" --offload "${OFFLOAD:-cpu}" --steps 3 \
+    timeout "${TIMEOUT:-570}" python3 -m benchmarks.capacity --model "${MODEL:-qwen3_14b}" --offload "${OFFLOAD:-cpu}" --steps 3 \
       --micro-batch "${MB:-8}" --moment-precision int8 --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 \
       > "$OUT/capacity-${MODEL:-qwen3_14b}-int8-mb${MB:-8}.log"; tail -14 "$OUT/capacity-${MODEL:-qwen3_14b}-int8-mb${MB:-8}.log"
     df -h /tmp | tee -a "$OUT/machine.txt"
