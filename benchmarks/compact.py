@@ -278,8 +278,8 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=None, help="update: one unit of this many (default: 8B block)")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="update: pool sizes to try (default: 1, 2, 4, ... up to torch's thread count)")
-    parser.add_argument("--pieces", type=int, nargs="+", default=[1 << 16, 1 << 18],
-                        help="compact piece sizes to try, up to moment_codec.SCRATCH_ELEMS (bf16's noise table)")
+    parser.add_argument("--pieces", type=int, nargs="+", default=[1 << 14, 1 << 16, 1 << 17, 1 << 18],
+                        help="compact piece sizes to try, up to moment_codec.LARGEST_PIECE (bf16's noise table)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".")
     parser.add_argument("--commit", default="unknown")
