@@ -97,6 +97,13 @@ class ActivationStore:
         return tokens * hidden * torch.empty(0, dtype=dtype).element_size()
 
     @staticmethod
+    def host_bytes(input_bytes: int, pinned: bool) -> int:
+        """What one saved input's host buffer takes. A pinned one comes from torch's caching host allocator
+        (`pin_memory=True`), which rounds each allocation up to a power of two: a Qwen3-14B input at 64 x 1024
+        tokens (640 MiB) takes 1 GiB, and its 42 saved inputs 42 GiB, not 26.25."""
+        return 1 << (input_bytes - 1).bit_length() if pinned and input_bytes > 1 else input_bytes
+
+    @staticmethod
     def offloads(needed: int, gpu_free: int) -> bool:
         """The "auto" rule: saved inputs leave the GPU when all of them take over OFFLOAD_SHARE of its free memory."""
         return needed > OFFLOAD_SHARE * gpu_free
@@ -118,9 +125,9 @@ class ActivationStore:
         return saves * cls.region_bytes(input_bytes)
 
     @classmethod
-    def staging_bytes(cls, input_bytes: int) -> int:
-        """The disk path's staging buffers (pinned RAM, or GPU memory with direct I/O)."""
-        return DISK_BUFFERS * cls.region_bytes(input_bytes)
+    def staging_bytes(cls, input_bytes: int, pinned: bool) -> int:
+        """The disk path's staging buffers: pinned RAM (`pinned`), or GPU memory with direct I/O."""
+        return DISK_BUFFERS * cls.host_bytes(cls.region_bytes(input_bytes), pinned)
 
     def new_micro_batch(self) -> None:
         self._where = None

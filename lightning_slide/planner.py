@@ -377,8 +377,9 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
     if where == "nvme":
         return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk",
                       ActivationStore.disk_bytes_for(shape.saves, hidden), "a smaller micro_batch or seq_len"),
-                _disk_staging(setup, ActivationStore.staging_bytes(hidden)), in_flight]
-    return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
+                _disk_staging(setup, hidden), in_flight]
+    held = shape.saves * ActivationStore.host_bytes(hidden, setup.cuda)
+    return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, held,
                   "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
 
 
@@ -401,12 +402,14 @@ def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) ->
     return entries
 
 
-def _disk_staging(setup: Setup, nbytes: int) -> Entry:
+def _disk_staging(setup: Setup, hidden: int) -> Entry:
     """Activations stage on their way to disk in GPU memory with direct (GPUDirect) I/O, else in pinned RAM."""
     if direct_io(setup.config.gds, torch.device(setup.device)):
-        return Entry(f"disk staging buffers ({DISK_BUFFERS}), direct I/O", "gpu", nbytes,
+        return Entry(f"disk staging buffers ({DISK_BUFFERS}), direct I/O", "gpu",
+                     ActivationStore.staging_bytes(hidden, False),
                      "gds='off' (staging in pinned RAM) or a smaller micro_batch")
-    return Entry(f"disk staging buffers ({DISK_BUFFERS})", setup.pinned, nbytes, "a smaller micro_batch")
+    return Entry(f"disk staging buffers ({DISK_BUFFERS})", setup.pinned,
+                 ActivationStore.staging_bytes(hidden, setup.cuda), "a smaller micro_batch")
 
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:

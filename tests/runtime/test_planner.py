@@ -181,6 +181,14 @@ def test_auto_activations_move_to_pinned_ram_when_they_would_crowd_the_gpu():
     assert any(e.where == "pinned" and e.bytes == acts for e in tight.entries)
 
 
+def test_saved_inputs_in_pinned_ram_count_the_pinned_allocators_power_of_two_rounding():
+    """A hidden width of 5,120 (Qwen3-14B's) at 64 x 1024 tokens: each bf16 input is 640 MiB, its buffer 1 GiB."""
+    shape = ModelShape.from_config(LlamaConfig(**{**LLAMA_8B, "hidden_size": 5120, "num_hidden_layers": 4}))
+    plan = Plan.estimate(shape, Setup(SlideConfig(activations="cpu")), 64, 1024)
+    saved = next(e for e in plan.entries if e.what.startswith("saved part inputs"))
+    assert (saved.where, saved.bytes) == ("pinned", shape.saves * GiB)
+
+
 def test_memory_already_held_by_the_model_counts_as_available():
     plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
     need = plan.total("ram")
