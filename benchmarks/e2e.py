@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--val-every", type=int, default=10)
     parser.add_argument("--crash", action="store_true", help="SIGKILL after the first checkpoint, then resume")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further Hydra override of every train.py run (repeatable), e.g. "
+                             "offload.moment_precision=int8")
+    parser.add_argument("--name", default=None, help="the record's name (default: e2e-<model>)")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--deadline-s", type=float, default=540, help="the whole run's time limit")
     parser.add_argument("--reload", nargs=4, metavar=("FOLDER", "CKPT", "SEQ", "BATCH"), help=argparse.SUPPRESS)
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     end = time.perf_counter() + args.deadline_s
     overrides = [f"model={args.model}", f"data.batch_size={args.batch_size}", f"data.seq_len={args.seq_len}",
                  f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.val_every}",
-                 "trainer.log_every_n_steps=5", "+trainer.limit_val_batches=4"]
+                 "trainer.log_every_n_steps=5", "+trainer.limit_val_batches=4", *args.override]
     if not args.crash:
         overrides.append("checkpoint=null")
     else:  # every step's loss, and the same run uninterrupted (no checkpoints, no export) to compare it with
@@ -239,12 +243,17 @@ def main(argv: list[str] | None = None) -> int:
                   else {"error": check.stderr[-2000:]})
     except subprocess.TimeoutExpired:
         reload = {"error": "the reload check ran past the deadline"}
-    record = {"case": f"e2e-{args.model}", "system": "lightning-slide CLI (train.py)", "model_key": args.model,
+    from lightning_slide.available import cgroup_memory  # torch, only now: the parent stays small while it polls
+
+    name = args.name or f"e2e-{args.model}"
+    limit = cgroup_memory()
+    record = {"case": name, "system": "lightning-slide CLI (train.py)", "model_key": args.model,
               "micro_batch": args.batch_size, "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib,
-              "steps": args.steps, "crash_and_resume": args.crash, "runs": runs, "reload": reload,
+              "steps": args.steps, "crash_and_resume": args.crash, "overrides": args.override,
+              "host_memory_limit_gib": None if limit is None else limit[0] / GIB, "runs": runs, "reload": reload,
               "resume": resume_gaps(*runs) if args.crash else None,
               "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": machine()}
-    (args.out / f"e2e-{args.model}.json").write_text(json.dumps(record, indent=1))
+    (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     shutil.rmtree(run_dir, ignore_errors=True)
     finished = [r for r in runs if r["name"] != "first"]  # the first of a crash cycle is killed on purpose

@@ -26,6 +26,9 @@
 #                                       (or mistral_small_24b with OFFLOAD=nvme), MB=8 (or 64) x 1024 tokens,
 #                                       TIMEOUT=s (570)
 #                                                                                   -> results/compact/
+#   bash scripts/gpu.sh desktop  a 64 GB desktop (a 64 GiB memory cgroup): `train.py` at 8B with 8-bit moments,
+#                                       defaults but clipping off (CLIP=1.0 sets it): train with validation,
+#                                       export and reload (benchmarks/e2e.py)                -> results/e2e/
 #   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
 #                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
 #   bash scripts/gpu.sh crash   the whole crash cycle at 1B: the run uninterrupted, then checkpoint, SIGKILL,
@@ -73,6 +76,22 @@ case "${1:-check}" in
   capacity-master)
     timeout 300 python3 -m benchmarks.capacity --model llama3_8b --steps 3 --micro-batch 8 --nvme-moments 0.5 \
       --nvme-master --out "$OUT" --commit "$COMMIT" 2>&1 | tail -40 > "$OUT/capacity-8b-master.log"; tail -15 "$OUT/capacity-8b-master.log"
+    ;;
+  desktop)
+    # A 64 GB desktop: every process of the run in a memory cgroup limited to 64 GiB (v2, else v1), which the
+    # planner reads as the machine's RAM; the CLI at 8B with 8-bit moments trains, exports, reloads
+    if mkdir -p /sys/fs/cgroup/desktop64 2>/dev/null && echo $((64 << 30)) > /sys/fs/cgroup/desktop64/memory.max; then
+      procs=/sys/fs/cgroup/desktop64/cgroup.procs
+    elif mkdir -p /sys/fs/cgroup/memory/desktop64 2>/dev/null \
+        && echo $((64 << 30)) > /sys/fs/cgroup/memory/desktop64/memory.limit_in_bytes; then
+      procs=/sys/fs/cgroup/memory/desktop64/cgroup.procs
+    else
+      echo "no writable memory cgroup on this machine" | tee "$OUT/desktop.log"; exit 1
+    fi
+    (echo $BASHPID > "$procs" && exec python3 -m benchmarks.e2e --model llama3_8b --steps "${STEPS:-6}" \
+      --val-every 3 --override offload.moment_precision=int8 --override "trainer.gradient_clip_val=${CLIP:-null}" \
+      --name "e2e-llama3_8b-int8-ram64${CLIP:+-clip}" --out "$OUT" --deadline-s 500 --commit "$COMMIT") 2>&1 \
+      | tail -3 > "$OUT/desktop.log"; tail -3 "$OUT/desktop.log"
     ;;
   e2e)
     python3 -m benchmarks.run --cases llama3_8b-mb8-cap24-slide-cpu-clip1 --out "$OUT/harness" \
