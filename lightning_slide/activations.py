@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from lightning_slide.available import available_vram
+from lightning_slide.storage import pin_, unpin_
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import Region, Spill, TierDirectory, align
@@ -25,9 +26,30 @@ OFFLOAD_SHARE = 0.5  # the share of the free GPU memory saved inputs may take be
 
 
 class _HostBuffer:
-    def __init__(self, like: torch.Tensor, pin: bool) -> None:
-        self.tensor = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+    """A saved input's host memory, kept for the inputs saved under its key later: each that fits is a view of it.
+
+    Pinned buffers are page-locked in place at their own size (`cudaHostRegister`): `pin_memory=True` takes them
+    from torch's caching host allocator, which rounds each up to a power of two (a Qwen3-14B input at 64 x 1024
+    tokens, 640 MiB, would take 1 GiB)."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.raw = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = pin and pin_(self.raw)
+        self.tensor = self.raw  # the current input's view
         self.read_done = None  # h2d event of the last copy back: later writes wait for it
+
+    def holds(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A view for `like` (None if it does not fit), which becomes the buffer's current input."""
+        if like.numel() * like.element_size() > self.raw.numel():
+            return None
+        self.tensor = _as(self.raw, like.shape, like.dtype)
+        return self.tensor
+
+    def release(self) -> None:
+        """Unlock the pages (no copy may be in flight): the memory is freed with the last view of it."""
+        if self.pinned:
+            unpin_(self.raw)
+            self.pinned = False
 
 
 class Saved:
@@ -97,13 +119,6 @@ class ActivationStore:
         return tokens * hidden * torch.empty(0, dtype=dtype).element_size()
 
     @staticmethod
-    def host_bytes(input_bytes: int, pinned: bool) -> int:
-        """What one saved input's host buffer takes. A pinned one comes from torch's caching host allocator
-        (`pin_memory=True`), which rounds each allocation up to a power of two: a Qwen3-14B input at 64 x 1024
-        tokens (640 MiB) takes 1 GiB, and its 42 saved inputs 42 GiB, not 26.25."""
-        return 1 << (input_bytes - 1).bit_length() if pinned and input_bytes > 1 else input_bytes
-
-    @staticmethod
     def offloads(needed: int, gpu_free: int) -> bool:
         """The "auto" rule: saved inputs leave the GPU when all of them take over OFFLOAD_SHARE of its free memory."""
         return needed > OFFLOAD_SHARE * gpu_free
@@ -126,8 +141,10 @@ class ActivationStore:
 
     @classmethod
     def staging_bytes(cls, input_bytes: int, pinned: bool) -> int:
-        """The disk path's staging buffers: pinned RAM (`pinned`), or GPU memory with direct I/O."""
-        return DISK_BUFFERS * cls.host_bytes(cls.region_bytes(input_bytes), pinned)
+        """The disk path's staging buffers: pinned RAM (`pinned`: from torch's caching host allocator, which rounds
+        each up to a power of two), or GPU memory with direct I/O."""
+        region = cls.region_bytes(input_bytes)
+        return DISK_BUFFERS * (1 << (region - 1).bit_length() if pinned else region)
 
     def new_micro_batch(self) -> None:
         self._where = None
@@ -204,7 +221,11 @@ class ActivationStore:
             self.disk = None
 
     def close(self) -> None:
+        """After the device's work has finished (the engine synchronizes first)."""
         self._close_disk()
+        for buf in self._pool.values():
+            buf.release()
+        self._pool.clear()
 
     @property
     def disk_bytes(self) -> tuple[int, int]:
@@ -222,9 +243,17 @@ class ActivationStore:
         return offload if self.offloads(needed, available_vram(self.device)) else "device"
 
     def _buffer(self, key: Hashable, like: torch.Tensor) -> _HostBuffer:
+        """The key's buffer, holding `like` from now on; replaced by a larger one when `like` does not fit (after
+        the device has finished with the old one: growing is rare, and unlocking pages under a copy is not safe)."""
         buf = self._pool.get(key)
-        if buf is None or buf.tensor.shape != like.shape or buf.tensor.dtype != like.dtype:
-            buf = self._pool[key] = _HostBuffer(like, pin=like.is_cuda)
+        if buf is not None and buf.holds(like) is not None:
+            return buf
+        if buf is not None:
+            if like.is_cuda:
+                torch.cuda.synchronize(like.device)
+            buf.release()
+        buf = self._pool[key] = _HostBuffer(like.numel() * like.element_size(), pin=like.is_cuda)
+        buf.holds(like)
         return buf
 
 

@@ -378,8 +378,7 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
         return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk",
                       ActivationStore.disk_bytes_for(shape.saves, hidden), "a smaller micro_batch or seq_len"),
                 _disk_staging(setup, hidden), in_flight]
-    held = shape.saves * ActivationStore.host_bytes(hidden, setup.cuda)
-    return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, held,
+    return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
                   "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
 
 

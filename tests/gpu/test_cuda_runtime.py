@@ -175,3 +175,20 @@ def test_the_fused_loss_takes_its_buffer_budget_from_the_config():
                          torch.device("cuda"), torch.bfloat16)
     assert model.lm_head.chunk_mib == 256
     engine.close()
+
+
+def test_saved_inputs_wait_in_ram_pinned_at_their_own_size_reused_while_they_fit_and_unpinned_at_close():
+    from lightning_slide.activations import ActivationStore
+    from lightning_slide.streams import Lane
+
+    device = torch.device("cuda")
+    store = ActivationStore("cpu", device, Lane(device, False), Lane(device, True), Lane(device, True), saves=1)
+    odd = torch.randn(3, 1000, 5, device=device, dtype=torch.bfloat16)  # 30,000 bytes: no power of two
+    saved = store.save("block.0", odd)
+    buf = store._pool["block.0"]
+    assert buf.pinned and buf.raw.is_pinned() and buf.raw.numel() == odd.numel() * 2
+    assert torch.equal(saved.get(), odd)
+    smaller = torch.randn(2, 1000, 5, device=device, dtype=torch.bfloat16)
+    assert torch.equal(store.save("block.0", smaller).get(), smaller) and store._pool["block.0"] is buf
+    store.close()
+    assert not buf.pinned and not buf.raw.is_pinned()

@@ -181,12 +181,17 @@ def test_auto_activations_move_to_pinned_ram_when_they_would_crowd_the_gpu():
     assert any(e.where == "pinned" and e.bytes == acts for e in tight.entries)
 
 
-def test_saved_inputs_in_pinned_ram_count_the_pinned_allocators_power_of_two_rounding():
-    """A hidden width of 5,120 (Qwen3-14B's) at 64 x 1024 tokens: each bf16 input is 640 MiB, its buffer 1 GiB."""
+def test_pinned_saved_inputs_take_their_size_and_pinned_disk_staging_a_power_of_two(tmp_path):
+    """A hidden width of 5,120 (Qwen3-14B's) at 64 x 1024 tokens: each bf16 input is 640 MiB. Saved inputs are
+    page-locked in place; staging buffers come from torch's caching host allocator, which rounds up."""
     shape = ModelShape.from_config(LlamaConfig(**{**LLAMA_8B, "hidden_size": 5120, "num_hidden_layers": 4}))
-    plan = Plan.estimate(shape, Setup(SlideConfig(activations="cpu")), 64, 1024)
-    saved = next(e for e in plan.entries if e.what.startswith("saved part inputs"))
-    assert (saved.where, saved.bytes) == ("pinned", shape.saves * GiB)
+    in_ram = Plan.estimate(shape, Setup(SlideConfig(activations="cpu")), 64, 1024)
+    on_disk = Plan.estimate(shape, Setup(SlideConfig(offload="nvme", nvme_path=str(tmp_path), activations="nvme",
+                                                     gds="off")), 64, 1024)
+    saved = next(e for e in in_ram.entries if e.what.startswith("saved part inputs"))
+    staging = next(e for e in on_disk.entries if e.what.startswith("disk staging"))
+    assert (saved.where, saved.bytes) == ("pinned", shape.saves * 640 * 2**20)
+    assert (staging.where, staging.bytes) == ("pinned", planner.DISK_BUFFERS * GiB)
 
 
 def test_memory_already_held_by_the_model_counts_as_available():
