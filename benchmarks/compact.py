@@ -7,7 +7,8 @@
 int8) for `--steps` optimizer steps, validating every `--val-every`, then fine-tunes: each precision
 continues the fp32 run's final weights and Adam state (converted to its own precision on load, as a
 checkpoint of an fp32 run loads into a compact run) on a different data mix for `--finetune-steps`.
-`--precisions` picks the compact ones (fp32 always runs, first). Writes `compact-quality-<precisions>.json`
+`--precisions` picks the compact ones (fp32 always runs, first); `--phases` one phase alone (a fine-tuning
+comparison still pretrains fp32 to continue from). Writes `compact-quality-<precisions>[-<phase>].json`
 (final train loss: the mean of the last 20 steps; final validation loss; the curves; step times) and a .png of
 the curves together. `update` times Layer-Adam over one unit
 of Llama-3.1-8B block shapes (218M parameters, fp32 gradients) per precision and per compact piece size,
@@ -149,11 +150,12 @@ def quality(args: argparse.Namespace) -> None:
                   "finetune": f"source of {list(FINETUNE_MODULES)}, {args.seq_len}-byte text records, 5% held out"},
               "pretrain": {}, "finetune": {}}
     precisions = record["precisions"] = ["fp32", *args.precisions]
-    for precision in precisions:
+    record["phases"] = args.phases
+    for precision in precisions if "pretrain" in args.phases else ["fp32"]:  # fp32's run makes the checkpoint
         record["pretrain"][precision] = run(args, precision, pretrain, args.steps, 20, args.lr,
-                                            save=ckpt if precision == "fp32" else None)
+                                            save=ckpt if precision == "fp32" and "finetune" in args.phases else None)
         _write(out, record)
-    for precision in precisions:
+    for precision in precisions if "finetune" in args.phases else []:
         record["finetune"][precision] = run(args, precision, finetune, args.finetune_steps, 5, args.lr / 3,
                                             start=ckpt)
         _write(out, record)
@@ -167,7 +169,7 @@ def quality(args: argparse.Namespace) -> None:
 def _summary(record: dict) -> dict:
     """Each compact precision's final losses relative to fp32's in the same phase, and its step time's ratio."""
     summary = {}
-    for phase in ("pretrain", "finetune"):
+    for phase in record["phases"]:
         base = record[phase]["fp32"]
         for precision in [p for p in record[phase] if p != "fp32"]:
             run_ = record[phase][precision]
@@ -184,8 +186,9 @@ def _write(out: Path, record: dict) -> None:
 
 
 def _name(record: dict, suffix: str) -> str:
-    """compact-quality-<the compact precisions>.<suffix>: one file per comparison."""
-    return f"compact-quality-{'-'.join(record['precisions'][1:])}.{suffix}"
+    """compact-quality-<the compact precisions>[-<phase>].<suffix>: one file per comparison."""
+    phase = "" if len(record["phases"]) == 2 else f"-{record['phases'][0]}"
+    return f"compact-quality-{'-'.join(record['precisions'][1:])}{phase}.{suffix}"
 
 
 def _plot(record: dict, path: Path) -> None:
@@ -194,8 +197,9 @@ def _plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, phase in zip(axes, ("pretrain", "finetune")):
+    phases = record["phases"]
+    fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.5), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
         for precision, run_ in record[phase].items():
             losses = torch.tensor(run_["train_loss"])
             smooth = losses.unfold(0, 10, 1).mean(1) if len(losses) >= 10 else losses
@@ -268,6 +272,9 @@ def main() -> None:
                         help="quality: the compact precisions to run beside fp32 (one call of the GPU script "
                              "holds one at 500 steps)")
     parser.add_argument("--finetune-steps", type=int, default=100)
+    parser.add_argument("--phases", nargs="+", choices=["pretrain", "finetune"], default=["pretrain", "finetune"],
+                        help="quality: the phases to compare (fine-tuning alone still pretrains fp32 for --steps, "
+                             "to continue from)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-3)

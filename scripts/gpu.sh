@@ -18,7 +18,8 @@
 #                                       (LAYERS=16 for all of them; at 4x512 tokens the CPU update binds each step)
 #                                       on the built-in corpus, then fine-tuning, fp32 beside PRECISION=int8 (or
 #                                       bf16; one of them a call) (benchmarks/compact.py quality; STEPS=500,
-#                                       FINETUNE_STEPS=80, LAYERS=8)
+#                                       FINETUNE_STEPS=80, LAYERS=8; PHASES=pretrain, or PHASES=finetune with
+#                                       STEPS=200 for the fp32 run it continues, when both do not fit in a call)
 #                                                                                   -> results/compact/
 #   bash scripts/gpu.sh compact-capacity  the CPU update's rate per moment_precision, then 8B at 8x1024 on the RAM
 #                                       tier: fp32, int8, int8 with clipping (peak host RSS per parameter, step time)
@@ -119,8 +120,9 @@ case "${1:-check}" in
     df -h /tmp | tee -a "$OUT/machine.txt"
     ;;
   compact)
-    timeout 590 python3 -m benchmarks.compact quality --precisions ${PRECISION:-int8} --steps "${STEPS:-500}" \
-      --finetune-steps "${FINETUNE_STEPS:-80}" --layers "${LAYERS:-8}" --out "$OUT" --commit "$COMMIT" 2>&1 \
+    timeout 590 python3 -m benchmarks.compact quality --precisions ${PRECISION:-int8} \
+      --phases ${PHASES:-pretrain finetune} --steps "${STEPS:-500}" --finetune-steps "${FINETUNE_STEPS:-80}" \
+      --layers "${LAYERS:-8}" --out "$OUT" --commit "$COMMIT" 2>&1 \
       | grep -v Warning | tail -60 > "$OUT/compact.log"
     tail -40 "$OUT/compact.log"
     ;;
