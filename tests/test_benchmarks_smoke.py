@@ -315,6 +315,24 @@ def test_the_compact_moments_benchmark_compares_each_precision_with_fp32_in_both
     assert not (tmp_path / "scratch" / "fp32-pretrained.ckpt").exists()
 
 
+def test_a_compact_fine_tuning_comparison_alone_pretrains_only_the_fp32_run_it_continues(tmp_path) -> None:
+    import sys
+
+    from benchmarks import compact
+
+    argv = ["compact", "quality", "--model", "tiny", "--steps", "3", "--finetune-steps", "2", "--val-every", "2",
+            "--val-batches", "1", "--micro-batch", "2", "--seq-len", "32", "--precisions", "int8",
+            "--phases", "finetune", "--out", str(tmp_path), "--scratch", str(tmp_path / "scratch")]
+    sys_argv, sys.argv = sys.argv, argv
+    try:
+        compact.main()
+    finally:
+        sys.argv = sys_argv
+    record = json.loads((tmp_path / "compact-quality-int8-finetune.json").read_text())
+    assert list(record["pretrain"]) == ["fp32"] and list(record["finetune"]) == ["fp32", "int8"]
+    assert set(record["summary"]) == {"finetune/int8"}
+
+
 def test_the_compact_update_benchmark_times_each_precision_per_piece_and_pool_size(tmp_path) -> None:
     import sys
 
