@@ -18,7 +18,14 @@ from torch import nn
 
 from lightning_slide.activations import DISK_BUFFERS, ActivationStore
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
-from lightning_slide.available import available_disk, available_ram, available_vram, host_headroom, process_rss
+from lightning_slide.available import (
+    available_disk,
+    available_ram,
+    available_vram,
+    cgroup_memory,
+    host_headroom,
+    process_rss,
+)
 from lightning_slide.config import SlideConfig
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
@@ -155,12 +162,15 @@ class Resources:
     resident: int = 0  # host bytes the model's weights already hold: the engine copies them into the master
     process: int = 0  # host bytes this process holds besides those weights (Python, libraries, CUDA runtime)
     headroom: int = 0  # host RAM a plan must leave free (the page cache, the data loader, the rest of the system)
+    ram_limit: int | None = None  # the process's memory cgroup limit, where it has one (a container, MemoryMax)
 
     @classmethod
     def probe(cls, device: torch.device, nvme_path: str | None = None, resident: int = 0) -> Resources:
         gpu = available_vram(device) if device.type == "cuda" else None  # first: it may start the CUDA runtime
         disk = available_disk(nvme_path) if nvme_path else None
-        return cls(available_ram(), gpu, disk, resident, max(0, process_rss() - resident), host_headroom())
+        limit = cgroup_memory()
+        return cls(available_ram(), gpu, disk, resident, max(0, process_rss() - resident), host_headroom(),
+                   None if limit is None else limit[0])
 
     def free(self, pool: str) -> int | None:
         """What a plan may take from the pool: the host keeps `headroom` free."""
@@ -236,6 +246,8 @@ class Plan:
         there = f"{free / GiB:.2f} GiB available"
         if pool == "host" and resources.headroom:
             there += f" after the {resources.headroom / GiB:.2f} GiB kept free for the rest of the system"
+        if pool == "host" and resources.ram_limit is not None:
+            there += f" (this process's memory cgroup allows it {resources.ram_limit / GiB:.2f} GiB)"
         if pool == "host" and resources.resident:
             there += (f" ({resources.ram / GiB:.2f} GiB free + {resources.resident / GiB:.2f} GiB the model's "
                       "weights already hold, which become the fp32 master)")

@@ -194,6 +194,12 @@ def test_pinned_saved_inputs_take_their_size_and_pinned_disk_staging_a_power_of_
     assert (staging.where, staging.bytes) == ("pinned", planner.DISK_BUFFERS * GiB)
 
 
+def test_a_refusal_in_a_memory_cgroup_names_its_limit():
+    plan = Plan.estimate(_llama_8b(), Setup(SlideConfig()), micro_batch=8, seq_len=1024)
+    with pytest.raises(PlanError, match=r"host RAM.*memory cgroup allows it 64\.00 GiB"):
+        plan.check(Resources(ram=60 * GiB, gpu=120 * GiB, ram_limit=64 * GiB))
+
+
 def test_memory_already_held_by_the_model_counts_as_available():
     plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
     need = plan.total("ram")
