@@ -3,7 +3,9 @@
 The math is torch's own (`torch._fused_adamw_` / `torch._fused_adam_`, the kernels behind
 `torch.optim.AdamW(fused=True)`, 4x faster than foreach on the CPU), applied per contiguous param-group
 segment of a unit's flat buffer. Compact moments (`moment_precision` "bf16" or "int8") are widened to fp32 a
-piece at a time for that call and written back after it (`moment_codec`). Hyperparameters are snapshotted
+piece at a time for that call and written back after it (`moment_codec`), by a pool of single-core threads
+(`piece_pool`). An update's loop over its pieces runs in TorchScript, without Python's global lock, which the
+training thread holds most of the time. Hyperparameters are snapshotted
 when a step is launched, because Lightning steps the LR scheduler while this thread may still be updating
 that step's units.
 """
@@ -145,11 +147,12 @@ def _adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Te
     a = first * piece
     while a < n:
         b = min(a + piece, n)
+        piece_scales: list[torch.Tensor | None] = []
         wide_moments: list[torch.Tensor] = []
         for k in range(2):
             s = scales[k]
-            piece_scales = None if s is None else s[a // block : (b + block - 1) // block]
-            wide_moments.append(decode_piece(precision, values[k][a:b], piece_scales, out[k], out_bits[k], work,
+            piece_scales.append(None if s is None else s[a // block : (b + block - 1) // block])
+            wide_moments.append(decode_piece(precision, values[k][a:b], piece_scales[k], out[k], out_bits[k], work,
                                              k == 0, shifts[k], block))
         g = grad[a:b] if grad.dtype == torch.float32 else wide[: b - a].copy_(grad[a:b])
         for seg in range(len(hyper)):
@@ -175,11 +178,8 @@ def _adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Te
             shadow[start + a : start + b].copy_(master[a:b])
         if precision != "fp32":
             for k in range(2):
-                s = scales[k]
-                x = wide_moments[k]
-                encode_piece(precision, x, out_bits[k][: b - a], values[k][a:b],
-                        None if s is None else s[a // block : (b + block - 1) // block], work, work_f, k == 0,
-                        shifts[k], block, noise, (positions[k] + a) % period)
+                encode_piece(precision, wide_moments[k], out_bits[k][: b - a], values[k][a:b], piece_scales[k], work,
+                             work_f, k == 0, shifts[k], block, noise, (positions[k] + a) % period)
         a += stride * piece
     return updated
 
