@@ -254,6 +254,7 @@ class LayerAdam:
         self.piece = piece = self.widen_elems(largest, moments.precision)
         self.scratch = Scratch(0, piece)  # this thread's: fp32 moments need no scratch
         self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
+        scripted(_adam_pieces)  # compiled here, before any update waits for it
         self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
 
     @staticmethod

@@ -26,6 +26,7 @@ update is torch's AdamW's exactly; only the moments lose precision, on the write
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -251,11 +252,14 @@ def _codes_bytes(elements: int) -> int:
     return -(-elements // 4) * 4
 
 
+_SCRIPTING = threading.Lock()  # one compilation at a time: the pool's threads may ask for a function together
+
+
 @cache
 def scripted(fn):
     """`fn` compiled by TorchScript, once per process (torch 2.13 marks torch.jit.script deprecated, in favour of
     torch.compile, which on the CPU builds C++ at run time: TorchScript needs no compiler)."""
-    with warnings.catch_warnings():
+    with _SCRIPTING, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return torch.jit.script(fn)
 
