@@ -200,6 +200,18 @@ def test_a_refusal_in_a_memory_cgroup_names_its_limit():
         plan.check(Resources(ram=60 * GiB, gpu=120 * GiB, ram_limit=64 * GiB))
 
 
+def test_8b_with_8_bit_moments_fits_a_64_gib_desktop_unclipped_and_clipping_is_refused_by_name():
+    desktop = Resources(ram=62 * GiB, gpu=22 * GiB, headroom=int(3.2 * GiB), ram_limit=64 * GiB)
+    for clip, fits in ((None, True), (1.0, False)):
+        setup = Setup(SlideConfig(moment_precision="int8"), mode=StepMode(clip_norm=clip))
+        plan = Plan.estimate(_llama_8b(), setup, micro_batch=8, seq_len=1024)
+        if fits:
+            plan.check(desktop)
+        else:
+            with pytest.raises(PlanError, match=r"held gradients.*gradient_clip_val=None"):
+                plan.check(desktop)
+
+
 def test_memory_already_held_by_the_model_counts_as_available():
     plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
     need = plan.total("ram")
