@@ -89,9 +89,9 @@ def _int8_values(codes: torch.Tensor, out: torch.Tensor, bits: torch.Tensor, wor
     its int32 view). The code's bits, shifted into an fp32's exponent and mantissa, are that value times 2^-112
     (subnormal below 2^-126, exactly as a code below 2^-14 is): one multiplication rebiases it."""
     bits.copy_(codes)
-    if signed:
-        sign = torch.bitwise_and(bits, 0x80, out=work[0, : bits.numel()]).bitwise_left_shift_(24)
-        bits.bitwise_and_(0x7F).bitwise_left_shift_(shift).bitwise_or_(sign)
+    if signed:  # the sign to bit 31, the rest down to `shift` by an arithmetic shift, then the sign's copies cleared
+        keep = -(1 << 31) + (1 << (7 + shift)) - 1
+        bits.bitwise_left_shift_(24).bitwise_right_shift_(24 - shift).bitwise_and_(keep)
     else:
         bits.bitwise_left_shift_(shift)
     return out.mul_(2.0**112)
