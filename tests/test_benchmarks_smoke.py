@@ -290,20 +290,25 @@ def test_the_packing_benchmark_trains_both_modes_and_packing_pads_less(tmp_path)
     assert {"command", "commit", "date", "machine", "model_config", "vram_cap_gib"} <= set(saved)
 
 
-def test_the_compact_moments_benchmark_compares_each_precision_with_fp32_in_both_phases(tmp_path) -> None:
-    """A tiny model on the CPU: pretraining from one seed, then fine-tuning from the fp32 run's checkpoint."""
+def _compact(argv: list[str]) -> None:
+    """`python -m benchmarks.compact ...` in this process."""
     import sys
 
     from benchmarks import compact
 
-    argv = ["compact", "quality", "--model", "tiny", "--steps", "4", "--finetune-steps", "3", "--val-every", "2",
-            "--val-batches", "1", "--micro-batch", "2", "--seq-len", "32", "--out", str(tmp_path),
-            "--scratch", str(tmp_path / "scratch")]
     sys_argv, sys.argv = sys.argv, argv
     try:
         compact.main()
     finally:
         sys.argv = sys_argv
+
+
+def test_the_compact_moments_benchmark_compares_each_precision_with_fp32_in_both_phases(tmp_path) -> None:
+    """A tiny model on the CPU: pretraining from one seed, then fine-tuning from the fp32 run's checkpoint."""
+    argv = ["compact", "quality", "--model", "tiny", "--steps", "4", "--finetune-steps", "3", "--val-every", "2",
+            "--val-batches", "1", "--micro-batch", "2", "--seq-len", "32", "--out", str(tmp_path),
+            "--scratch", str(tmp_path / "scratch")]
+    _compact(argv)
     record = json.loads((tmp_path / "compact-quality-bf16-int8.json").read_text())
     assert set(record["summary"]) == {f"{phase}/{p}" for phase in ("pretrain", "finetune") for p in ("bf16", "int8")}
     starts = {p: run["first_train_loss"] for p, run in record["pretrain"].items()}
@@ -316,35 +321,19 @@ def test_the_compact_moments_benchmark_compares_each_precision_with_fp32_in_both
 
 
 def test_a_compact_fine_tuning_comparison_alone_pretrains_only_the_fp32_run_it_continues(tmp_path) -> None:
-    import sys
-
-    from benchmarks import compact
-
     argv = ["compact", "quality", "--model", "tiny", "--steps", "3", "--finetune-steps", "2", "--val-every", "2",
             "--val-batches", "1", "--micro-batch", "2", "--seq-len", "32", "--precisions", "int8",
             "--phases", "finetune", "--out", str(tmp_path), "--scratch", str(tmp_path / "scratch")]
-    sys_argv, sys.argv = sys.argv, argv
-    try:
-        compact.main()
-    finally:
-        sys.argv = sys_argv
+    _compact(argv)
     record = json.loads((tmp_path / "compact-quality-int8-finetune.json").read_text())
     assert list(record["pretrain"]) == ["fp32"] and list(record["finetune"]) == ["fp32", "int8"]
     assert set(record["summary"]) == {"finetune/int8"}
 
 
 def test_the_compact_update_benchmark_times_each_precision_per_piece_and_pool_size(tmp_path) -> None:
-    import sys
-
-    from benchmarks import compact
-
     argv = ["compact", "update", "--elements", "8192", "--pieces", "1024", "--threads", "1", "2", "--repeats", "1",
             "--out", str(tmp_path)]
-    sys_argv, sys.argv = sys.argv, argv
-    try:
-        compact.main()
-    finally:
-        sys.argv = sys_argv
+    _compact(argv)
     results = json.loads((tmp_path / "compact-update.json").read_text())["results"]
     assert [(r["precision"], r["pool_threads"]) for r in results] == [
         ("fp32", None), ("bf16", 1), ("bf16", 2), ("int8", 1), ("int8", 2)]
