@@ -152,8 +152,8 @@ def _adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Te
         for k in range(2):
             s = scales[k]
             piece_scales.append(None if s is None else s[a // block : (b + block - 1) // block])
-            wide_moments.append(decode_piece(precision, values[k][a:b], piece_scales[k], out[k], out_bits[k], work,
-                                             k == 0, shifts[k], block))
+            wide_moments.append(decode_piece(precision, values[k][a:b], piece_scales[k], out[k], out_bits[k], k == 0,
+                                             shifts[k], block))
         g = grad[a:b] if grad.dtype == torch.float32 else wide[: b - a].copy_(grad[a:b])
         for seg in range(len(hyper)):
             lo, hi = max(start + a, bounds[2 * seg]), min(start + b, bounds[2 * seg + 1])

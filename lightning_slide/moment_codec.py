@@ -83,8 +83,7 @@ def noise_position(step: int, unit: int, moment: int, index: int) -> int:
 # (TorchScript takes no module constants: BLOCK arrives as `block`, and the smallest normal fp32 is spelt out.)
 
 
-def _int8_values(codes: torch.Tensor, out: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, signed: bool,
-                 shift: int) -> torch.Tensor:
+def _int8_values(codes: torch.Tensor, out: torch.Tensor, bits: torch.Tensor, signed: bool, shift: int) -> torch.Tensor:
     """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq), into `out` (fp32; `bits` is
     its int32 view). The code's bits, shifted into an fp32's exponent and mantissa, are that value times 2^-112
     (subnormal below 2^-126, exactly as a code below 2^-14 is): one multiplication rebiases it."""
@@ -112,7 +111,7 @@ def _int8_codes(y: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, signed:
 
 
 def decode_piece(precision: str, values: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor,
-                 out_bits: torch.Tensor, work: torch.Tensor, signed: bool, shift: int, block: int) -> torch.Tensor:
+                 out_bits: torch.Tensor, signed: bool, shift: int, block: int) -> torch.Tensor:
     """A piece of a moment as fp32: the stored tensor itself (fp32), or widened into `out` (`out_bits` its int32
     view)."""
     n = values.numel()
@@ -121,7 +120,7 @@ def decode_piece(precision: str, values: torch.Tensor, scales: torch.Tensor | No
     if precision == "bf16":
         return out[:n].copy_(values)
     assert scales is not None
-    x = _int8_values(values, out[:n], out_bits[:n], work, signed, shift)
+    x = _int8_values(values, out[:n], out_bits[:n], signed, shift)
     full = n // block
     x[: full * block].view(-1, block).mul_(scales[:full].unsqueeze(1))
     if n % block:
@@ -181,30 +180,30 @@ class MomentCodec:
         size = self.bytes_for(1)
         return [(start * size, n * size, 0)]
 
-    def decode(self, packed: Packed, scratch: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
-        """The piece as fp32 (into `scratch` unless it is fp32 already). `work`, if given, is int32 room for two
-        tensors of the piece's size (2 x n or more) that the codec uses instead of allocating."""
-        work = self.work(work, packed.numel())
+    def decode(self, packed: Packed, scratch: torch.Tensor) -> torch.Tensor:
+        """The piece as fp32 (into `scratch` unless it is fp32 already)."""
         return scripted(decode_piece)(self.precision, packed.values, packed.scales, scratch, scratch.view(torch.int32),
-                                work, self.moment == 0, self.shift, BLOCK)
+                                      self.moment == 0, self.shift, BLOCK)
 
     def encode(self, x: torch.Tensor, packed: Packed, step: int, unit: int, index: int,
                work: torch.Tensor | None = None) -> None:
-        """Store fp32 `x` (element `index` of the unit onwards, at `step`) into `packed`; `x` may be clobbered;
-        `work` as for `decode`."""
+        """Store fp32 `x` (element `index` of the unit onwards, at `step`) into `packed`; `x` may be clobbered.
+        `work`, if given, is int32 room for two tensors of the piece's size (2 x n or more) that the 8-bit codec
+        uses instead of allocating."""
         if self.precision == "fp32":
             if x.data_ptr() != packed.values.data_ptr():
                 packed.values.copy_(x)
             return
-        work = self.work(work, x.numel())
+        work = self._room(work, x.numel())
         scripted(encode_piece)(self.precision, x, x.view(torch.int32), packed.values, packed.scales, work,
-                         work[0].view(torch.float32), self.moment == 0, self.shift, BLOCK, self.noise,
-                         noise_position(step, unit, self.moment, index))
+                               work[0].view(torch.float32), self.moment == 0, self.shift, BLOCK, self.noise,
+                               noise_position(step, unit, self.moment, index))
 
-    @staticmethod
-    def work(work: torch.Tensor | None, n: int) -> torch.Tensor:
-        """The int32 work room (2 x n): `work`, or made now."""
-        return torch.empty(2, n, dtype=torch.int32) if work is None else work
+    def _room(self, work: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The int32 work room (2 x n): `work`, or made now where the codec uses it (int8)."""
+        if work is not None:
+            return work
+        return torch.empty(2, n if self.precision == "int8" else 0, dtype=torch.int32)
 
 
 class Bf16Codec(MomentCodec):
@@ -225,8 +224,7 @@ class Int8Codec(MomentCodec):
         super().__init__(moment)
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         out = torch.empty(256)
-        self.qmap = _int8_values(codes, out, out.view(torch.int32), torch.empty(2, 256, dtype=torch.int32),
-                                 moment == 0, self.shift)  # what each code means
+        self.qmap = _int8_values(codes, out, out.view(torch.int32), moment == 0, self.shift)  # what each code means
 
     def bytes_for(self, elements: int) -> int:
         """The codes (padded to 4 bytes, so that the scales after them can be read as fp32), then the scales."""

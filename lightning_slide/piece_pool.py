@@ -6,7 +6,9 @@ machine's 16 cores, run that way, it managed 0.10 G elements/s with 8-bit moment
 AdamW over whole fp32 units: 3.41), and smaller pieces were slower in proportion to their number. Here each thread
 runs its ops on its own core (`torch.set_num_threads` holds for the calling thread's own parallel regions under
 OpenMP, ATen's CPU backend), the pieces are spread over the threads, and a piece stays in one core's cache from its
-first op to its last. The ops release the GIL while they run.
+first op to its last. Each thread's share of the work should be one call that releases Python's global lock for
+its whole length (Layer-Adam's is one TorchScript call): op by op from Python, every op waits for the lock that the
+training thread holds.
 """
 
 from __future__ import annotations
