@@ -13,6 +13,9 @@ Idle is time the compute waited: for a weight load, a gradient slot, the CPU upd
 while a copy or another stream's kernel ran (the compute most likely waited on a transfer), and
 `idle_empty_s` while the GPU did nothing at all (it waited on the host). The first profiled step
 follows the window's closing synchronisation, so it only leads in and is not counted.
+
+`kernels_s` says what the busy time was: the compute stream's kernel time per counted step by kernel name,
+the largest first, so two cases of one model can be told apart kernel by kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 MARKER = "spin_kernel"  # the kernel torch.cuda._sleep launches
 MARKER_CYCLES = 500
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+TOP_KERNELS = 15  # kernel names kept in `kernels_s`
+NAME_CHARS = 100
 Interval = tuple[float, float]
 
 
@@ -76,6 +81,7 @@ class Activity:
     compute: list[Interval]
     other: list[Interval]
     boundaries: list[float]
+    names: list[str]  # the compute kernels' names, in the order of `compute`
 
 
 def read_trace(trace: dict) -> Activity:
@@ -86,11 +92,13 @@ def read_trace(trace: dict) -> Activity:
         raise ValueError(f"{len(markers)} step markers in the profile; at least 3 are needed for one step")
     stream = Counter(_stream(e) for e in markers).most_common(1)[0][0]
     on_compute = [e for e in events if e["cat"] == "kernel" and _stream(e) == stream]
+    kernels = [e for e in on_compute if MARKER not in e.get("name", "")]
     return Activity(
         stream=stream,
-        compute=[_interval(e) for e in on_compute if MARKER not in e.get("name", "")],
+        compute=[_interval(e) for e in kernels],
         other=[_interval(e) for e in events if not (e["cat"] == "kernel" and _stream(e) == stream)],
         boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
+        names=[e.get("name", "?")[:NAME_CHARS] for e in kernels],
     )
 
 
@@ -114,7 +122,18 @@ def idle_per_step(activity: Activity) -> dict:
         for key, value in (("step_s", hi - lo), ("busy_s", hi - lo - length(idle)), ("idle_s", length(idle)),
                            ("idle_copying_s", copying), ("idle_empty_s", length(idle) - copying)):
             rows[key].append(value / 1e6)
-    return {**rows, "stream": activity.stream, "steps": len(rows["step_s"])}
+    steps = len(rows["step_s"])
+    return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps)}
+
+
+def kernel_times(activity: Activity, steps: int) -> dict[str, float]:
+    """Seconds per counted step of each kernel name on the compute stream (the largest `TOP_KERNELS`)."""
+    lo, hi = activity.boundaries[1], activity.boundaries[-1]
+    totals: Counter[str] = Counter()
+    for (start, end), name in zip(activity.compute, activity.names):
+        if lo <= start < hi:
+            totals[name] += (end - start) / 1e6
+    return {name: seconds / max(steps, 1) for name, seconds in totals.most_common(TOP_KERNELS)}
 
 
 def union(intervals: list[Interval]) -> list[Interval]:

@@ -489,6 +489,7 @@ class SlideEngine:
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
             "kept_graphs": self.graphs.kept,
+            "block_slots": len(self.window.ring),  # blocks with a GPU slot (grown by the first step's adaptation)
             "disk_read_bytes": self.moments.disk_bytes[0] + self.activations.disk_bytes[0],
             "disk_write_bytes": self.moments.disk_bytes[1] + self.activations.disk_bytes[1],
         }

@@ -137,6 +137,15 @@ def test_idle_is_the_compute_streams_gaps_between_step_markers() -> None:
         read_trace({"traceEvents": _trace()["traceEvents"][:2]})
 
 
+def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
+    trace = _trace()
+    trace["traceEvents"].append(_kernel(2100.0, 200.0, name="norm"))
+    kernels = idle_per_step(read_trace(trace))["kernels_s"]
+    assert list(kernels) == ["gemm", "norm"]  # the lead-in step's kernel is not counted; the side stream's neither
+    assert kernels["gemm"] == pytest.approx((400 + 300 + 1000) / 2 / 1e6)
+    assert kernels["norm"] == pytest.approx(200 / 2 / 1e6)
+
+
 def test_cpu_runs_are_not_profiled_and_record_no_idle_time() -> None:
     clock = WindowClock(2, 3, torch.device("cpu"), profile_steps=3)
     assert clock.total_steps == 5
