@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import warnings
 import weakref
 from functools import partial
 from typing import Any
@@ -325,7 +326,7 @@ class SlideEngine:
         book = self.grads.book
         self._measured_norm = GlobalNorm(max_norm)
         for unit in sorted(book.stepped):
-            self._measured_norm.add(book.holding[unit])
+            self._measured_norm.add(book.holding[unit], unit)
         book.norms_measured = True  # until a backward adds to the sums
         return math.sqrt(self._measured_norm.host)
 
@@ -428,11 +429,20 @@ class SlideEngine:
         self.wait_drain_s += self._drain()
         holding = self.grads.book.holding
         if plan.norm is not None:
-            plan.norm.finish(self.d2h, [holding[u] for u in units] if norm_of_sums else [])
+            plan.norm.finish(self.d2h, {u: holding[u] for u in units} if norm_of_sums else {})
+            if not plan.norm.finite:
+                self._warn_nonfinite(plan.norm)
         self.moments.plan(units)
         for u in units:
             self.adam.schedule(u)
             self.adam.put(DeferredUpdate(u, plan, holding.pop(u)))
+
+    def _warn_nonfinite(self, norm: GlobalNorm) -> None:
+        names = [self.storages[u].name for u in norm.nonfinite_units()]
+        warnings.warn(
+            f"Step {self._step}: the global gradient norm is {math.sqrt(norm.host)} (the gradients of {names} are "
+            "not finite). As torch's clip_grad_norm_ does, the clipped gradients are 0 (inf norm) or NaN (NaN norm) "
+            "in this step's update.", RuntimeWarning, stacklevel=2)
 
     def _drain(self) -> float:
         waited = self.failure.wait(self.pump.worker.idle, "the gradient copies") if self.pump else 0.0

@@ -337,7 +337,7 @@ class LayerAdam:
             return acc.copy_(item.grad)
         acc.add_(item.grad)
         if item.plan is not None and item.plan.norm is not None:
-            item.plan.norm.add(acc)
+            item.plan.norm.add(acc, item.unit)
         return acc
 
     def buffers(self) -> list[torch.Tensor]:

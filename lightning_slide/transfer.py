@@ -103,7 +103,7 @@ class GradPump:
         with self.d2h():
             self.d2h.wait(item.ready)
             if item.first and item.plan is not None and item.plan.norm is not None:
-                item.plan.norm.add_on_device(item.grads)
+                item.plan.norm.add_on_device(item.grads, item.unit)
             for start in range(0, n, step):
                 end = min(start + step, n)
                 if item.sums is None:

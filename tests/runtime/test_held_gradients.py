@@ -1,11 +1,15 @@
 """A clipped step without accumulation holds each unit's gradient as it came (the compute dtype), not as fp32 sums."""
 
+import copy
+import math
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 import lightning_slide.layer_adam as layer_adam
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
+from lightning_slide.norm import GlobalNorm
 from tests.runtime.helpers import fit, tiny_model, token_batches
 
 STEPS = 4
@@ -82,3 +86,38 @@ def test_gradients_in_saved_input_buffers_train_exactly_as_fp32_sums_of_the_same
     sums = fit(model, batches, SlideStrategy(activations="cpu"), STEPS, clip=0.05, precision="bf16-mixed",
                callbacks=[GradientAccumulationScheduler({0: 1, 1000: 2})])
     assert all(torch.equal(p, q) for p, q in zip(lent.model.parameters(), sums.model.parameters()))
+
+
+
+def test_a_nan_gradient_norm_steps_as_torch_does_and_the_warning_names_the_units():
+    """A NaN loss: torch's clip_grad_norm_ (error_if_nonfinite=False) makes every gradient NaN and AdamW steps
+    on that; the engine's parameters are the same, and its warning names the units whose gradients were NaN."""
+    model, x = tiny_model("llama"), token_batches(1)[0]
+    expected = copy.deepcopy(model)
+    opt = torch.optim.AdamW(expected.parameters(), lr=1e-3)
+    (expected(input_ids=x, labels=x).loss * math.nan).backward()
+    torch.nn.utils.clip_grad_norm_(expected.parameters(), 1.0)
+    opt.step()
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), SlideConfig(), torch.device("cpu"),
+                         torch.float32, StepMode(clip_norm=1.0))
+    engine.new_micro_batch()
+    engine.begin_step()
+    (model(input_ids=x, labels=x).loss * math.nan).backward()
+    with pytest.warns(RuntimeWarning, match=r"norm is nan .*'embed', 'block\.0'.*'head'"):
+        engine.end_step()
+    engine.synchronize()
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True, msg=name)
+    engine.close()
+
+
+def test_an_infinite_gradient_norm_scales_every_gradient_to_zero_as_clip_grad_norm_does():
+    """torch multiplies by max_norm / (inf + eps) = 0; AdamW divides by the inverse: x / inf is x * 0, sign
+    included, and an infinite element becomes NaN either way."""
+    norm = GlobalNorm(1.0)
+    norm.add(torch.tensor([1.0, math.inf]), unit=3)
+    norm.add(torch.tensor([0.5]), unit=1)
+    norm.settle()
+    grads = torch.tensor([-2.0, 0.0, 3.0, math.inf])
+    torch.testing.assert_close(grads / norm.grad_scale, grads * 0.0, rtol=0, atol=0, equal_nan=True)
+    assert not norm.finite and norm.nonfinite_units() == [3]
