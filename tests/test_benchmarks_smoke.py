@@ -109,10 +109,12 @@ def test_the_long_ladders_tile_their_mlps_and_every_rung_fits_their_time_caps_as
     assert {c.rungs for c in SUITES["long"]} == {(65536, 131072), (196608, 262144)}
 
 
-def test_the_tiling_suite_compares_one_shape_untiled_and_tiled() -> None:
-    untiled, tiled = SUITES["tiling"]
-    assert (untiled.model, untiled.seq_len, untiled.micro_batch) == (tiled.model, tiled.seq_len, tiled.micro_batch)
-    assert (untiled.settings, tiled.settings) == ({"mlp_tile_tokens": None}, {"mlp_tile_tokens": 8192})
+def test_the_tiling_suite_compares_each_shape_untiled_and_tiled() -> None:
+    suite = SUITES["tiling"]
+    for untiled, tiled in zip(suite[::2], suite[1::2]):
+        assert (untiled.model, untiled.seq_len, untiled.micro_batch) == (tiled.model, tiled.seq_len, tiled.micro_batch)
+        assert untiled.settings == {"mlp_tile_tokens": None}
+    assert [case.settings for case in suite[1::2]] == [{"mlp_tile_tokens": 8192}, {"mlp_tile_tokens": "auto"}]
 
 
 def test_a_name_means_one_case_in_every_suite() -> None:
