@@ -8,7 +8,8 @@ RSS, its checkpoint files (when a save starts and ends) and its export folder. W
 SIGKILLed once its first checkpoint is complete, and a second run resumes from `last.ckpt` to the end. Without
 it, checkpointing is off (`checkpoint=null`: for a model whose checkpoint the disk cannot hold). Writes
 DIR/e2e-<model>.json: one record with the command lines, step rate, peaks against the plan, save and export
-times, the reload check and the tail of each run's log (whole logs stay in the work folder).
+times (each save's GB/s beside the disk's own sequential write rate, measured in the work folder first), the
+reload check and the tail of each run's log (whole logs stay in the work folder).
 """
 
 from __future__ import annotations
@@ -120,6 +121,32 @@ def run_cli(name: str, overrides: list[str], work: Path, run_dir: Path, cap_gib:
     return record
 
 
+def disk_write_gbs(folder: Path, gib: float = 4.0) -> float:
+    """The disk's sequential write rate into `folder` (GB/s): `gib` GiB of random bytes in 64 MiB writes, then
+    fsync, as a checkpoint save writes and syncs its file."""
+    block = os.urandom(64 << 20)
+    path = folder / "disk-probe.bin"
+    start = time.perf_counter()
+    with path.open("wb") as f:
+        for _ in range(int(gib * (1 << 30)) // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return gib * (1 << 30) / seconds / 1e9
+
+
+def save_rates(run: dict, checkpoints: Path) -> dict[str, float]:
+    """GB/s of each save the run finished whose file is still there (a link's is its target's)."""
+    rates = {}
+    for name, seconds in run["saves_s"].items():
+        path = checkpoints / name
+        if seconds > 0 and path.is_file() and not path.is_symlink():
+            rates[name] = path.stat().st_size / seconds / 1e9
+    return rates
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
@@ -161,6 +188,8 @@ def reload_check(folder: Path, checkpoint: Path | None, seq_len: int, batch_size
 
     from lightning_slide.data import TextDataModule, load_tokenizer
 
+    if not (folder / "config.json").is_file():
+        return {"error": f"no export in {folder} (the run did not reach its end)"}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).to(device).eval()
@@ -213,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, logs = args.work / args.model, args.work / f"{args.model}-logs"
     shutil.rmtree(run_dir, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
+    disk_gbs = disk_write_gbs(logs)
     end = time.perf_counter() + args.deadline_s
     overrides = [f"model={args.model}", f"data.batch_size={args.batch_size}", f"data.seq_len={args.seq_len}",
                  f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.val_every}",
@@ -234,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.crash:
         runs.insert(0, plain)
     ckpt = run_dir / "checkpoints" / "last.ckpt"
+    for run in runs:
+        run["save_gbs"] = save_rates(run, ckpt.parent)
     try:
         check = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--out", str(args.out), "--reload",
                                 str(run_dir / "hf_model"), str(ckpt) if ckpt.exists() else "-", str(args.seq_len),
@@ -250,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"case": name, "system": "lightning-slide CLI (train.py)", "model_key": args.model,
               "micro_batch": args.batch_size, "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib,
               "steps": args.steps, "crash_and_resume": args.crash, "overrides": args.override,
-              "host_memory_limit_gib": None if limit is None else limit[0] / GIB, "runs": runs, "reload": reload,
+              "host_memory_limit_gib": None if limit is None else limit[0] / GIB, "disk_write_gbs": disk_gbs,
+              "runs": runs, "reload": reload,
               "resume": resume_gaps(*runs) if args.crash else None,
               "commit": args.commit, "date": datetime.date.today().isoformat(), "machine": machine()}
     (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))

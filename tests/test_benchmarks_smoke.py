@@ -349,3 +349,19 @@ def test_the_compact_update_benchmark_times_each_precision_per_piece_and_pool_si
     assert [(r["precision"], r["pool_threads"]) for r in results] == [
         ("fp32", None), ("bf16", 1), ("bf16", 2), ("int8", 1), ("int8", 2)]
     assert all(r["gelem_per_s"] > 0 for r in results)
+
+
+def test_the_disk_probe_writes_syncs_and_removes_its_file(tmp_path) -> None:
+    from benchmarks.e2e import disk_write_gbs
+
+    assert disk_write_gbs(tmp_path, gib=1 / 16) > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_rate_is_its_file_size_over_its_time_and_links_have_none(tmp_path) -> None:
+    from benchmarks.e2e import save_rates
+
+    (tmp_path / "epoch=0-step=6.ckpt").write_bytes(b"x" * 4000)
+    (tmp_path / "last.ckpt").symlink_to("epoch=0-step=6.ckpt")
+    run = {"saves_s": {"epoch=0-step=6.ckpt": 2e-6, "last.ckpt": 1e-6, "gone.ckpt": 1.0}}
+    assert save_rates(run, tmp_path) == {"epoch=0-step=6.ckpt": pytest.approx(2.0)}
