@@ -69,9 +69,13 @@ class Saved:
             return
         store = self._store
         source = self._host.tensor if self._host is not None else store.take_from_disk(*self._disk)
+        # Allocated for the compute stream, whose queued work may still use the block (the caching allocator
+        # hands out memory freed in the host's order): the copy on the h2d lane waits for that work first.
         self._value = torch.empty(source.shape, dtype=source.dtype, device=store.device)
+        queued = store.compute.record()
         with store.h2d():
             store.h2d.wait(self._written)
+            store.h2d.wait(queued)
             self._value.copy_(source, non_blocking=True)
             self._arrived = store.h2d.record()
         if self._host is not None:

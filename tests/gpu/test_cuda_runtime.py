@@ -177,6 +177,28 @@ def test_the_fused_loss_takes_its_buffer_budget_from_the_config():
     engine.close()
 
 
+def test_a_prefetched_input_waits_for_queued_compute_on_the_memory_it_is_given():
+    """The caching allocator hands a prefetch the block of a tensor freed in the host's order while a kernel
+    queued behind a long one still reads it: the copy on the h2d lane must not overwrite it first."""
+    from lightning_slide.activations import ActivationStore
+    from lightning_slide.streams import Lane
+
+    device, n = torch.device("cuda"), 16 << 20
+    store = ActivationStore("cpu", device, Lane(device, False), Lane(device, True), Lane(device, True), saves=1)
+    saved = store.save("block.0", torch.zeros(n, device=device, dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    x = torch.ones(n, device=device, dtype=torch.bfloat16)
+    torch.cuda._sleep(100_000_000)  # the compute stream is busy for tens of milliseconds
+    doubled = x * 2  # queued behind it: reads x later
+    block = x.data_ptr()
+    del x
+    saved.prefetch()
+    assert saved._value.data_ptr() == block  # the hazard is set up: the prefetch got x's block
+    torch.cuda.synchronize()
+    assert bool((doubled == 2).all())
+    store.close()
+
+
 def test_saved_inputs_wait_in_ram_pinned_at_their_own_size_reused_while_they_fit_and_unpinned_at_close():
     from lightning_slide.activations import ActivationStore
     from lightning_slide.streams import Lane
