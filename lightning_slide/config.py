@@ -50,10 +50,11 @@ class SlideConfig:
     mlp_tile_tokens: when a decoder block's SwiGLU MLP runs over sequence tiles (`lightning_slide.ops.tiled_mlp`):
         each tile computed and let go, only the MLP's input kept, each tile recomputed in the backward, so no
         tokens x intermediate tensor of the whole micro-batch exists (at 131,072 tokens one is 3.5 GiB for
-        Llama-3.1-8B, and an untiled MLP holds several). "auto": on CUDA, for micro-batches where one such tensor
-        would take over 1 GiB (Llama-3.1-8B in bf16 beyond 37,449 tokens), in equal tiles of at most 256 MiB
-        such tensors; an int: tiles of that many tokens whenever a micro-batch has more, on any device; None:
-        never. A tiled MLP runs its gate and up projections once more in the backward.
+        Llama-3.1-8B, and an untiled MLP holds several). "auto": on CUDA, untiled where the micro-batch's memory
+        plan fits untiled, else in equal tiles of at most 256 MiB such tensors (the strategy decides it per
+        micro-batch size; an engine driven without it tiles where one such tensor would take over 1 GiB, Llama-3.1-8B
+        in bf16 beyond 37,449 tokens); an int: tiles of that many tokens whenever a micro-batch has more, on any
+        device; None: never. A tiled MLP runs its gate and up projections once more in the backward.
     loss_chunk_mib: the fused loss's logits buffer (MiB) with the kernels. The loss head computes the logits a
         block at a time into this one buffer, so it bounds the loss's transient GPU memory (63 keeps it under
         64 MiB); a larger buffer means fewer, larger GEMMs: at 64k tokens, hidden 4096 and vocab 128256 (bf16

@@ -298,6 +298,12 @@ class SlideEngine:
     def store_grads(self, part: Part, bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]) -> None:
         self.grads.store(part, bindings, grads)
 
+    def tile_mlps(self, setting: int | None) -> None:
+        """Run the patched MLPs untiled (None) or in tiles of `setting` tokens: a runtime that plans memory per
+        micro-batch decides `mlp_tile_tokens="auto"` this way (`planner.resolve_mlp_tiles`)."""
+        if self._kernels is not None:
+            self._kernels.tile_mlps(setting)
+
     # ------------------------------------------------------------------------------ the step protocol
     def new_micro_batch(self, tokens: int | None = None) -> None:
         """Forget a graph that was never backpropagated (its parts will not report back). `tokens`, when the

@@ -491,6 +491,22 @@ def check_batch(needs: Plan, static: Plan, shape: ModelShape, setup: Setup, micr
         raise PlanError(f"{error} This micro-batch has {micro_batch} x {seq_len:,} tokens; {fits}.") from None
 
 
+def resolve_mlp_tiles(static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
+                      resources: Resources, gpu_free: int | None) -> Setup:
+    """`mlp_tile_tokens="auto"` on CUDA decided for one micro-batch: untiled where the micro-batch's plan fits
+    untiled (a tiled MLP runs its gate and up projections once more in the backward: about an eighth more of a
+    block's compute), else in the tiles `tiled_mlp.tile_for` picks. Any other setting stands as given."""
+    if setup.config.mlp_tiling(setup.device) != "auto":
+        return setup
+    untiled = replace(setup, config=replace(setup.config, mlp_tile_tokens=None))
+    try:
+        static.batch(shape, untiled, micro_batch, seq_len, gpu_free).check(resources)
+        return untiled
+    except PlanError:
+        tile = _mlp_tile(shape, setup, micro_batch * seq_len)
+    return setup if tile is None else replace(setup, config=replace(setup.config, mlp_tile_tokens=tile[0]))
+
+
 def longest_seq_len(static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, resources: Resources,
                     gpu_free: int | None, below: int) -> int:
     """The longest sequence shorter than `below` whose batch plan at `micro_batch` fits (0 if none does)."""

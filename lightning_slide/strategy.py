@@ -39,6 +39,7 @@ from lightning_slide.planner import (
     fit_moments,
     plan_for_run,
     resident_bytes,
+    resolve_mlp_tiles,
 )
 from lightning_slide.precision import SlidePrecision
 from lightning_slide.step_mode import StepMode
@@ -265,12 +266,18 @@ class SlideStrategy(SingleDeviceStrategy):
         self._checked_tokens = tokens[0] * tokens[1]
         resources = Resources.probe(self.root_device)
         gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
-        needs = self.plan.batch(shape, setup, *tokens, gpu_free)
+        tiled = resolve_mlp_tiles(self.plan, shape, setup, *tokens, resources, gpu_free)
+        decided = ""
+        if tiled is not setup:  # "auto", decided for this size
+            tiles = tiled.config.mlp_tile_tokens
+            self.engine.tile_mlps(tiles)
+            decided = f"\n  mlp_tile_tokens='auto': {'untiled' if tiles is None else f'tiles of {tiles} tokens'}"
+        needs = self.plan.batch(shape, tiled, *tokens, gpu_free)
         whole = Plan(self.plan.entries + needs.entries)
         peak = whole.peak_rss(replace(resources, process=self._process_bytes))
         rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe()
-                       + f"\n  expected peak host RSS of the run: {peak / 2**30:.2f} GiB")
-        check_batch(needs, self.plan, shape, setup, *tokens, resources, gpu_free)
+                       + f"\n  expected peak host RSS of the run: {peak / 2**30:.2f} GiB" + decided)
+        check_batch(needs, self.plan, shape, tiled, *tokens, resources, gpu_free)
 
     # ------------------------------------------------------------------------------------ checkpoints
     @property

@@ -204,6 +204,13 @@ class PatchHandle:
     model: nn.Module
     counts: dict[str, int]
     _undo: list[Callable[[], None]]
+    tiled: list[nn.Module]  # the MLPs that run over sequence tiles where their setting says so
+
+    def tile_mlps(self, setting: TileSetting) -> None:
+        """Set every tiled MLP's `mlp_tile_tokens` (a runtime that plans memory decides "auto" per micro-batch)."""
+        check_tile_setting(setting)
+        for m in self.tiled:
+            m.mlp_tile_tokens = setting
 
     def unpatch(self) -> None:
         while self._undo:
@@ -218,8 +225,8 @@ class PatchHandle:
 
 
 def _patch_modules(model: nn.Module, counts: dict[str, int], rms_norm: bool, swiglu: bool,
-                   mlp_tile_tokens: TileSetting) -> list[Callable[[], None]]:
-    """Swap the RMSNorm and MLP modules' classes; counts what changed."""
+                   mlp_tile_tokens: TileSetting, tiled: list[nn.Module]) -> list[Callable[[], None]]:
+    """Swap the RMSNorm and MLP modules' classes; counts what changed and collects the tiled MLPs."""
     undo: list[Callable[[], None]] = []
     for m in model.modules():
         if rms_norm and _is_rms_norm(m):
@@ -232,6 +239,7 @@ def _patch_modules(model: nn.Module, counts: dict[str, int], rms_norm: bool, swi
             counts["swiglu"] += 1
         if tileable:
             undo.extend(_tile_mlp(m, mlp_tile_tokens))
+            tiled.append(m)
             counts["tiled_mlp"] += 1
     return undo
 
@@ -258,7 +266,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
         raise RuntimeError("model is already patched; call ops.unpatch(model) first")
     check_tile_setting(mlp_tile_tokens)
     counts = {"rms_norm": 0, "swiglu": 0, "tiled_mlp": 0, "rope": 0, "cross_entropy": 0}
-    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens)
+    tiled: list[nn.Module] = []
+    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens, tiled)
     if rope:
         modelings = {sys.modules[type(m).__module__] for m in model.modules() if _family(m)}
         for modeling in modelings:
@@ -268,7 +277,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     if cross_entropy and type(getattr(model, "lm_head", None)) is nn.Linear and hasattr(model, "model"):
         undo.extend(_patch_head(model, softcap, z_loss_weight, chunk_mib))
         counts["cross_entropy"] = 1
-    handle = PatchHandle(model, counts, undo)
+    handle = PatchHandle(model, counts, undo, tiled)
     model.__dict__[_HANDLE_ATTR] = handle
     return handle
 

@@ -102,6 +102,17 @@ def test_tile_sizes_follow_the_setting():
         assert tile - tiles < last <= tile  # equal tiles, the last at most one token a tile short
 
 
+def test_the_patch_handle_retiles_every_tiled_mlp_and_names_a_bad_setting():
+    model = _tiny("llama")
+    with ops.patch(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False) as handle:
+        mlps = [layer.mlp for layer in model.model.layers]
+        assert handle.tiled == mlps and all(m.mlp_tile_tokens == "auto" for m in mlps)
+        handle.tile_mlps(4)
+        assert all(m.mlp_tile_tokens == 4 for m in mlps)
+        with pytest.raises(ValueError, match="mlp_tile_tokens"):
+            handle.tile_mlps(0)
+
+
 @pytest.mark.parametrize("setting", [0, -3, 2.5, "always", True])
 def test_a_bad_tile_setting_is_named(setting):
     with pytest.raises(ValueError, match="mlp_tile_tokens"):

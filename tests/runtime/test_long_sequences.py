@@ -80,3 +80,24 @@ def test_a_sequence_that_cannot_fit_is_refused_before_its_forward_with_the_longe
                                                 "fits at micro_batch=2 is 128 tokens"):
         fit(MaskedLM(model), DataLoader(_rows(False), batch_size=None))
     assert forwards == []
+
+
+def test_auto_tiling_is_decided_from_the_micro_batchs_plan_and_said_in_the_log(monkeypatch, caplog):
+    """"auto" as on CUDA (forced here on the CPU, where nothing bounds the plan): the first micro-batch's plan fits
+    untiled, so the strategy sets the patched MLPs untiled and says so beside the plan."""
+    import logging
+
+    from lightning_slide.config import SlideConfig
+    from tests.runtime.helpers import fit, token_batches
+
+    monkeypatch.setattr(SlideConfig, "mlp_tiling", lambda self, device_type: self.mlp_tile_tokens)
+    seen = []
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            seen.append({m.mlp_tile_tokens for m in trainer.strategy.engine._kernels.tiled})
+
+    with caplog.at_level(logging.INFO):
+        fit(tiny_model("llama"), token_batches(2), SlideStrategy(), 2, callbacks=[Look()])
+    assert seen == [{None}, {None}]
+    assert any("mlp_tile_tokens='auto': untiled" in r.getMessage() for r in caplog.records)

@@ -391,6 +391,25 @@ def test_a_tiled_mlp_bounds_the_blocks_workspace_by_its_tile_not_the_sequence():
     assert len(set(short)) == 1  # below the threshold "auto" leaves the MLP untiled
 
 
+@pytest.mark.parametrize("micro_batch, seq_len, tiled", [(64, 1024, False), (1, 131072, True)])
+def test_auto_tiling_leaves_a_micro_batch_untiled_where_its_plan_fits_so_and_tiles_it_where_not(
+        micro_batch, seq_len, tiled):
+    """8B under 24 GiB: 64 x 1024 tokens fit untiled (no extra gate and up GEMMs), one 131,072-token sequence
+    does not, so it gets the tiles `tile_for` picks; a setting other than "auto" stands."""
+    from lightning_slide.ops.tiled_mlp import tile_for
+
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"))
+    static, resources = Plan.static(shape, setup), Resources(ram=400 * GiB, gpu=24 * GiB - 6 * GiB)
+    gpu_free = resources.gpu + static.total("gpu")
+    decided = planner.resolve_mlp_tiles(static, shape, setup, micro_batch, seq_len, resources, gpu_free)
+    tokens = micro_batch * seq_len
+    assert decided.config.mlp_tile_tokens == (tile_for("auto", tokens, 14336, 2) if tiled else None)
+    assert tile_for("auto", tokens, 14336, 2) is not None  # the 1 GiB rule alone would tile both
+    static.batch(shape, decided, micro_batch, seq_len, gpu_free).check(resources)
+    fixed = Setup(SlideConfig(activations="cpu", mlp_tile_tokens=4096))
+    assert planner.resolve_mlp_tiles(static, shape, fixed, micro_batch, seq_len, resources, gpu_free) is fixed
+
+
 def test_on_the_cpu_auto_leaves_mlps_untiled_and_a_number_tiles_them():
     """(A small vocabulary, so that a block and not the unfused loss head is the costliest recompute.)"""
     shape, long = ModelShape.from_config(LlamaConfig(**{**LLAMA_8B, "vocab_size": 1000})), 65536
