@@ -18,6 +18,7 @@ import math
 import tempfile
 import warnings
 import weakref
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -516,6 +517,7 @@ class SlideEngine:
         for worker in (self.pump.worker if self.pump else None, self.adam.worker):
             if worker is not None:
                 worker.stop()
+        self._quiesce_after_failure()
         self.adam.close()
         self.moments.close()
         self.activations.close()
@@ -530,6 +532,14 @@ class SlideEngine:
         for s in self.storages:
             s.release()
         self.window = None  # type: ignore[assignment]
+
+
+    def _quiesce_after_failure(self) -> None:
+        """A failure skipped the drain: let the GPU finish the copies it was given, which may target host memory
+        that closing unpins next. An error raised here is the failure's own, already reported."""
+        if self.device.type == "cuda" and self.failure.error is not None:
+            with suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
 
 
 def _ownership(specs: list) -> tuple[dict[int, int], list[list[nn.Parameter]]]:
