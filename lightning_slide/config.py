@@ -80,7 +80,8 @@ class SlideConfig:
         update of the master is torch's AdamW's; only the moments lose precision. For runs that host RAM (or
         the disk tier) limits: at 8B, host state drops from 12 to 6 B/param with "int8". Compact moments
         support Adam and AdamW without amsgrad; checkpoints hold them compact and load into a run of any
-        moment_precision (converted where the precision differs).
+        moment_precision (converted where the precision differs). On CUDA, compact moments in RAM are updated
+        on the GPU (page-locked, copied up and back per chunk; `device_update`), elsewhere by a CPU thread pool.
     stall_timeout_s: seconds without any background worker (optimizer, copy, disk threads) starting or finishing
         an item, while training waits for them, after which fit stops with an error naming the stalled worker,
         its item and its stack (a hung disk or a deadlock ends the run instead of hanging it); None:

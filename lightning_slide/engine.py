@@ -30,6 +30,7 @@ from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.available import available_vram
 from lightning_slide.config import SlideConfig
+from lightning_slide.device_update import DeviceUpdater, compact_updates_on
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import GraphBudget
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
@@ -129,10 +130,21 @@ class SlideEngine:
         """The Adam state's tiers, the optimizer thread, and the GPU window of weight slots and gradient buffers."""
         config = self.config
         self.moments = Moments(self.storages, files, self._chunk_elems(), self.failure, config.moment_precision)
-        self.adam = LayerAdam(self.storages, self.moments, self.failure)
+        self.adam = LayerAdam(self.storages, self.moments, self.failure, self._device_updater())
         self.window = Window(self.storages, self._dedicated, config.initial_slots, self.dtype, self.device,
                              self.h2d, self.adam, self.optimizer is not None, config.chunk_elems,
                              config.block_grad_buffers)
+
+    def _device_updater(self) -> DeviceUpdater | None:
+        """Compact moments of a training run are updated on the GPU where there is one (`device_update`)."""
+        on = compact_updates_on(self.device)
+        if self.optimizer is None or self.config.moment_precision == "fp32" or on is None:
+            return None
+        largest = max(s.trainable_numel for s in self.storages)
+        updater = DeviceUpdater(on, self.moments.codecs, largest,
+                                LayerAdam.widen_elems(largest, self.config.moment_precision))
+        updater.pin(self.storages, self.moments.on_disk)
+        return updater
 
     def _chunk_elems(self) -> int:
         """Elements per gradient chunk: `chunk_elems`, or the largest unit's trainable size where that is less."""
@@ -494,10 +506,12 @@ class SlideEngine:
         """Cumulative transfer and overlap figures (bytes moved, thread busy time, exposed waits; the wait for
         updates also per unit, by name, which says what a step boundary waits for, and beside it the optimizer
         thread's own time per unit, which says how much of that wait was the unit's update itself)."""
+        updater = self.adam.on_device
         return {
             "steps": self._step,
-            "h2d_bytes": self.window.bytes + self.activations.bytes_in,
-            "d2h_bytes": (self.pump.bytes if self.pump else 0) + self.activations.bytes_out,
+            "h2d_bytes": self.window.bytes + self.activations.bytes_in + (updater.bytes_up if updater else 0),
+            "d2h_bytes": (self.pump.bytes if self.pump else 0) + self.activations.bytes_out + (
+                updater.bytes_down if updater else 0),
             "update_busy_s": self.adam.worker.busy_s,
             "copy_busy_s": self.pump.worker.busy_s if self.pump else 0.0,
             "wait_update_s": sum(self.window.waits),

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim import Adam, AdamW, Optimizer
@@ -38,6 +39,9 @@ from lightning_slide.piece_pool import PiecePool, pool_threads
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
+
+if TYPE_CHECKING:
+    from lightning_slide.device_update import DeviceUpdater
 
 # A low-precision gradient reaches AdamW in fp32 pieces of 4M elements (16 MiB). Over one Llama-3.1-8B block
 # (218M parameters) on the H200 machine's 16 cores, fused AdamW took 44.6 ms with fp32 gradients in 32M-element
@@ -119,16 +123,22 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, 
     `master` and the moments cover the same range (views of RAM, or buffers read from the disk tier); the shadow
     copy that loads read is refreshed from `master` while it is at hand.
     """
-    groups = [plan.groups[seg.group] for seg in storage.segments]
+    hyper, flags, bounds = groups_of(storage, plan)
     scripted(_adam_pieces)(
         first, stride, piece, start, grad, master, codecs[0].precision, [m.values for m in moments],
         [m.scales for m in moments], [c.shift for c in codecs], codecs[0].noise,
         [noise_position(plan.step, storage.index, k, start) for k in range(2)], NOISE_PERIOD, BLOCK,
-        scratch.moments, scratch.moment_bits, scratch.work, scratch.work_f, scratch.wide_for(grad),
-        [b for seg in storage.segments for b in (seg.start, seg.end)],
-        [[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in groups],
-        [[h.decoupled, h.amsgrad, h.maximize] for h in groups],
-        storage.max_exp_avg_sq, plan.step_tensor, plan.grad_scale, storage.shadow)
+        scratch.moments, scratch.moment_bits, scratch.work, scratch.work_f, scratch.wide_for(grad), bounds, hyper,
+        flags, storage.max_exp_avg_sq, plan.step_tensor, plan.grad_scale, storage.shadow)
+
+
+def groups_of(storage: UnitStorage, plan: StepPlan) -> tuple[list[list[float]], list[list[bool]], list[int]]:
+    """Each param-group segment of the unit: its hyperparameters, its flags, and its bounds (start, end pairs),
+    as `_adam_pieces` takes them."""
+    groups = [plan.groups[seg.group] for seg in storage.segments]
+    return ([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in groups],
+            [[h.decoupled, h.amsgrad, h.maximize] for h in groups],
+            [b for seg in storage.segments for b in (seg.start, seg.end)])
 
 
 def _adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Tensor, master: torch.Tensor,
@@ -202,6 +212,17 @@ class GradChunk:
 
 
 @dataclass
+class DeviceGrad:
+    """A unit's whole gradient, still in its GPU buffer: an eager step whose update runs on the GPU."""
+
+    unit: int
+    grads: torch.Tensor = field(repr=False)
+    ready: object  # compute-lane event after the gradient's last write
+    plan: StepPlan
+    done: object  # callable(event): the GPU buffer may be reused after `event`
+
+
+@dataclass
 class DeferredUpdate:
     """Update a whole unit from the gradient its step held on the host (after clipping or manual optimization):
     fp32 sums, or the one gradient as it came."""
@@ -243,8 +264,9 @@ class LayerAdam:
     loaded for compute only when the two agree.
     """
 
-    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure) -> None:
-        self.storages, self.moments = storages, moments
+    def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure,
+                 on_device: DeviceUpdater | None = None) -> None:
+        self.storages, self.moments, self.on_device = storages, moments, on_device
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
@@ -255,7 +277,7 @@ class LayerAdam:
         self.scratch = Scratch(0, piece)  # this thread's: fp32 moments need no scratch
         self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
         scripted(_adam_pieces)  # compiled here, before any update waits for it
-        self.worker: Worker[GradChunk | DeferredUpdate] = Worker("layer-adam", self._handle, failure)
+        self.worker: Worker[GradChunk | DeferredUpdate | DeviceGrad] = Worker("layer-adam", self._handle, failure)
 
     @staticmethod
     def widen_elems(largest_trainable: int, precision: MomentPrecision = "fp32") -> int:
@@ -277,8 +299,12 @@ class LayerAdam:
     def schedule(self, unit: int) -> None:
         self.scheduled[unit] += 1
 
-    def put(self, item: GradChunk | DeferredUpdate) -> None:
+    def put(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
         self.worker.put(item)
+
+    def updates_on_device(self, unit: int) -> bool:
+        """The unit's update runs on the GPU: compact moments in RAM, with a device updater."""
+        return self.on_device is not None and unit not in self.moments.on_disk
 
     def ready(self, unit: int) -> bool:
         """Every update launched for `unit` is applied: loading it now would not wait."""
@@ -290,7 +316,13 @@ class LayerAdam:
     def drain(self) -> float:
         return self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()
 
-    def _handle(self, item: GradChunk | DeferredUpdate) -> None:
+    def _handle(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
+        if isinstance(item, DeviceGrad):
+            with self._working_on(item.unit):
+                event = self._update(item.unit, item.plan, 0, item.grads, item.ready)
+            item.done(event)
+            self._finish(item.unit)
+            return
         if isinstance(item, DeferredUpdate):
             with self._working_on(item.unit):
                 for start, n in self.moments.spans(item.unit):
@@ -317,17 +349,24 @@ class LayerAdam:
         finally:
             self.work_s[unit] += time.perf_counter() - start
 
-    def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor) -> None:
-        """AdamW over [start, start + len(grad)) of `unit`, in pieces where something is widened to fp32 first:
-        compact moments (the pool's threads taking every threads-th piece each) or a gradient held in the compute
-        dtype (torch's fused AdamW takes fp32 grads for fp32 weights)."""
+    def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor, ready: object = None) -> object:
+        """AdamW over [start, start + len(grad)) of `unit`: on the GPU (`device_update`; returns the event after
+        which `grad` may be reused), or on the CPU in pieces where something is widened to fp32 first: compact
+        moments (the pool's threads taking every threads-th piece each) or a gradient held in the compute dtype
+        (torch's fused AdamW takes fp32 grads for fp32 weights)."""
         (master, *moments), done = self.moments.open(unit, start, grad.numel())
+        if self.updates_on_device(unit):
+            event = self.on_device.run(self.storages[unit], plan, start, grad, ready, master, tuple(moments))
+            host_wait(event)
+            done()
+            return event
         args = (self.storages[unit], plan, start, grad, master, tuple(moments), self.moments.codecs)
         if self.pool is not None:
             self.pool.run(lambda scratch, first, stride: adam_(*args, scratch, self.piece, first, stride))
         else:
             adam_(*args, self.scratch, self.piece if grad.dtype != torch.float32 else max(grad.numel(), 1))
         done()
+        return None
 
     def _accumulate(self, item: GradChunk) -> torch.Tensor:
         """Start the sums with the window's first gradient, or add a later one and measure the sums when they are
@@ -346,9 +385,11 @@ class LayerAdam:
         return [t for scratch in scratches for t in scratch.tensors()]
 
     def close(self) -> None:
-        """Stop the pool threads (after the optimizer thread has stopped)."""
+        """Stop the pool threads (after the optimizer thread has stopped) and unlock the device updater's pages."""
         if self.pool is not None:
             self.pool.close()
+        if self.on_device is not None:
+            self.on_device.close()
 
     def _finish(self, unit: int) -> None:
         self.applied[unit] += 1

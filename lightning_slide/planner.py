@@ -27,6 +27,7 @@ from lightning_slide.available import (
     process_rss,
 )
 from lightning_slide.config import SlideConfig
+from lightning_slide.device_update import SETS, DeviceUpdater, compact_updates_on
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
 from lightning_slide.layer_adam import LayerAdam
@@ -277,15 +278,21 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     if precision != "int8":
         more_disk += ", or moment_precision='int8' (2 B/param instead of 8, bf16: 4)"
+    on_device = setup.training and precision != "fp32" and compact_updates_on(torch.device(setup.device)) is not None
     entries = [
         Entry("fp32 master weights", setup.pinned, UnitStorage.bytes_for("master", n - master_on_disk),
               "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
-        Entry(f"Adam exp_avg + exp_avg_sq ({precision})", "ram", in_ram if setup.training else 0, more_disk),
+        Entry(f"Adam exp_avg + exp_avg_sq ({precision})", setup.pinned if on_device else "ram",
+              in_ram if setup.training else 0, more_disk),
     ]
     if setup.training and precision != "fp32":
         largest = max(u.trainable for u in shape.units)
         what = f"{precision} moments' fp32 update scratch" + (" + rounding table" if precision == "bf16" else "")
         entries.append(Entry(what, "ram", LayerAdam.scratch_bytes(largest, precision) + table_bytes(precision)))
+        if on_device:
+            piece = LayerAdam.widen_elems(largest, precision)
+            entries.append(Entry(f"{precision} moments' update buffers ({SETS} chunks)", "gpu",
+                                 DeviceUpdater.bytes_for(largest, piece, precision)))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
     if setup.training and setup.mode.sums:

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from lightning_slide.layer_adam import GradChunk, LayerAdam, StepPlan
+from lightning_slide.layer_adam import DeviceGrad, GradChunk, LayerAdam, StepPlan
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure, Worker
 
@@ -98,7 +98,11 @@ class GradPump:
     def _handle(self, item: Dispatch) -> None:
         """Send the gradient out in chunks: into landing buffers, or, as a window's first gradient, straight into
         the unit's pinned sums. A first gradient that ends its window is the unit's whole sum: when the step
-        clips, its norm is measured here, on the device."""
+        clips, its norm is measured here, on the device. An eager step's gradient whose update runs on the GPU
+        stays where it is: the optimizer thread gets it as it is."""
+        if item.update and not item.accumulate and self.adam.updates_on_device(item.unit):
+            self.adam.put(DeviceGrad(item.unit, item.grads, item.ready, item.plan, item.done))
+            return
         n, step = item.grads.numel(), self.ring.elems
         with self.d2h():
             self.d2h.wait(item.ready)

@@ -214,3 +214,57 @@ def test_saved_inputs_wait_in_ram_pinned_at_their_own_size_reused_while_they_fit
     assert torch.equal(store.save("block.0", smaller).get(), smaller) and store._pool["block.0"] is buf
     store.close()
     assert not buf.pinned and not buf.raw.is_pinned()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("grad_on", ["cuda", "cpu"], ids=["eager-gradient-on-the-gpu", "held-gradient-on-the-host"])
+def test_compact_moments_updated_on_the_gpu_equal_decode_then_torch_cuda_adamw_then_encode(precision, grad_on,
+                                                                                          monkeypatch):
+    """Chunks of 2,048 elements over pieces of 1,024: the device updater's result is torch.optim.AdamW(fused=True)
+    on CUDA over the decoded moments, encoded again, bit for bit."""
+    import lightning_slide.device_update as device_update
+    import lightning_slide.layer_adam as layer_adam
+    from lightning_slide.device_update import DeviceUpdater
+    from lightning_slide.layer_adam import DeferredUpdate, DeviceGrad, LayerAdam, snapshot
+    from lightning_slide.threads import Failure
+    from tests.runtime import test_compact_moments as compact
+
+    monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 1024)
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 2048)
+    params, optimizer, storage, cpu_adam = compact._unit(precision)
+    cpu_adam.worker.stop()
+    cpu_adam.close()
+    moments = cpu_adam.moments
+    adam = LayerAdam([storage], moments, Failure(None),
+                     DeviceUpdater(torch.device("cuda"), moments.codecs, storage.trainable_numel, 1024))
+    grad = torch.randn(storage.trainable_numel, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    stored = (storage.exp_avg, storage.exp_avg_sq)
+    decoded = [compact._decode(m, precision, signed=k == 0) for k, m in enumerate(stored)]
+    copies = [torch.nn.Parameter(p.detach().clone().cuda()) for p in storage.params]
+    ref = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "fused"},
+                              "params": [copies[[id(q) for q in storage.params].index(id(p))] for p in g["params"]]}
+                             for g in optimizer.param_groups], fused=True)
+    for p, q in zip(storage.params, copies):
+        at, n = storage.offsets[id(p)], p.numel()
+        q.grad = grad[at : at + n].float().view(p.shape).cuda()
+        ref.state[q] = {"step": torch.tensor(3.0, device="cuda"),
+                        "exp_avg": decoded[0][at : at + n].view(p.shape).cuda(),
+                        "exp_avg_sq": decoded[1][at : at + n].view(p.shape).cuda()}
+    ref.step()
+    master = torch.cat([q.detach().reshape(-1) for q in copies]).cpu()
+    flat = [torch.cat([ref.state[q][key].reshape(-1) for q in copies]).cpu() for key in ("exp_avg", "exp_avg_sq")]
+    expected = [compact._encode(x, precision, i, 4) for i, x in enumerate(flat)]
+    plan = snapshot(optimizer, 4, None)
+    adam.schedule(0)
+    if grad_on == "cuda":
+        adam.put(DeviceGrad(0, grad.cuda(), None, plan, lambda event: None))
+    else:
+        adam.put(DeferredUpdate(0, plan, grad))
+    adam.drain()
+    adam.worker.stop()
+    adam.close()
+    assert torch.equal(storage.master, master)
+    for got, want in zip((storage.exp_avg, storage.exp_avg_sq), expected):
+        assert torch.equal(got.values, want[0])
+        if got.scales is not None:
+            assert torch.equal(got.scales, want[1])

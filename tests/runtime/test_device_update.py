@@ -1,0 +1,91 @@
+"""Compact moments updated on the device (`device_update`): the same arithmetic as the CPU pool's, so on the CPU
+(standing in for the GPU here) both train bit for bit alike, eager and clipped, in several chunks and pieces."""
+
+import pytest
+import torch
+
+import lightning_slide.device_update as device_update
+import lightning_slide.engine as engine_module
+import lightning_slide.layer_adam as layer_adam
+from lightning_slide import SlideConfig, SlideEngine, StepMode
+from tests.runtime.helpers import engine_steps, param_groups, tiny_model, token_batches
+
+
+def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch) -> SlideEngine:
+    monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: device if on_device else None)
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    engine = SlideEngine(model, optimizer, SlideConfig(moment_precision=precision), torch.device("cpu"),
+                         torch.float32, mode)
+    assert (engine.adam.on_device is not None) == on_device
+    engine_steps(engine, model, token_batches(3))
+    return engine
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
+def test_updates_on_the_device_train_bit_for_bit_as_the_cpu_pool(precision, mode, monkeypatch):
+    """Pieces of 256 elements (bf16 noise is drawn per piece) and device chunks of 1,024: several chunks per unit,
+    alternating between the two buffer sets."""
+    monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 256)
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
+    assert device.adam.on_device.chunk == 1024
+    for a, b in zip(pool.storages, device.storages):
+        assert torch.equal(a.master, b.master), a.name
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = getattr(a, key), getattr(b, key)
+            assert torch.equal(x.values, y.values) and (x.scales is None or torch.equal(x.scales, y.scales)), a.name
+    pool.close(), device.close()
+
+
+def test_an_fp32_run_keeps_its_updates_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: device)
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"),
+                         torch.float32)
+    assert engine.adam.on_device is None
+    engine.close()
+
+
+def test_a_buffer_set_is_a_whole_number_of_pieces_within_the_largest_unit():
+    assert device_update.chunk_elems(218_103_808, 1 << 16) == 1 << 23
+    assert device_update.chunk_elems(3000, 1000) == 3000
+    assert device_update.chunk_elems(2500, 1000) == 2000  # two pieces; the unit's third, partial one is a chunk
+    assert device_update.chunk_elems(700, 700) == 700
+
+
+def test_a_chunks_bf16_noise_is_what_the_cpu_pieces_draw_also_across_the_tables_end():
+    """Each CPU piece starts its draw at (its position) mod the period and reads on; a chunk's gather does the
+    same per piece, so a piece that starts just before the period's end reads past it, as on the CPU."""
+    from lightning_slide.moment_codec import NOISE_PERIOD, Bf16Codec, noise_position
+
+    codecs, piece, n = (Bf16Codec(0), Bf16Codec(1)), 256, 1024
+    updater = device_update.DeviceUpdater(torch.device("cpu"), codecs, 4096, piece)
+    room = updater.sets[0]
+    mix = noise_position(7, 3, 0, 0)
+    start = (NOISE_PERIOD - mix - 300) % NOISE_PERIOD  # the second piece's position wraps
+    got = updater.noise_for(room, 7, 3, start, n)
+    for k in range(2):
+        position = noise_position(7, 3, k, start)
+        want = torch.cat([codecs[0].noise[(position + a) % NOISE_PERIOD:][:piece] for a in range(0, n, piece)])
+        assert torch.equal(got[k * n : (k + 1) * n], want)
+
+
+def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_run_there():
+    from transformers import LlamaConfig
+
+    from lightning_slide.planner import ModelShape, Plan, Setup
+    from tests.runtime.test_planner import LLAMA_8B
+
+    shape = ModelShape.from_config(LlamaConfig(**LLAMA_8B))
+    for device, where in (("cuda", "pinned"), ("cpu", "ram")):
+        plan = Plan.static(shape, Setup(SlideConfig(moment_precision="int8"), device=device))
+        entries = {e.what: e for e in plan.entries}
+        assert entries["Adam exp_avg + exp_avg_sq (int8)"].where == where
+        buffers = entries.get("int8 moments' update buffers (2 chunks)")
+        if device == "cuda":
+            assert buffers.where == "gpu" and buffers.bytes == device_update.DeviceUpdater.bytes_for(
+                128256 * 4096, 1 << 16, "int8") and buffers.bytes < 0.5 * 2**30
+        else:
+            assert buffers is None
