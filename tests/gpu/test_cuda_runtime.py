@@ -36,6 +36,25 @@ def test_fp32_on_cuda_matches_adamw_without_kernels(accumulate):
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
+def test_compact_moments_updated_on_the_gpu_train_as_the_cpu_pool_within_adamws_rounding(precision, clip,
+                                                                                        monkeypatch):
+    """The same fp32 run on CUDA twice: compact moments updated on the GPU (the default there) and by the CPU
+    pool; only torch's CUDA and CPU fused AdamW kernels differ, in the last bits."""
+    import lightning_slide.engine as engine_module
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    runs = []
+    for on_gpu in (True, False):
+        if not on_gpu:
+            monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: None)
+        runs.append(fit(model, batches, SlideStrategy(use_kernels=False, moment_precision=precision), STEPS,
+                        clip=clip, accelerator="gpu"))
+    assert relative_difference(runs[1].model, runs[0].model) <= 1e-5
+
+
 @pytest.mark.parametrize("rows, activations", [(2, "auto"), (32, "cpu")], ids=["own-buffers", "saved-input-buffers"])
 def test_held_bf16_gradients_on_cuda_train_exactly_as_fp32_sums_of_the_same_gradients(rows, activations):
     """A clipped step holds bf16 gradients copied straight from the GPU (into buffers of their own, or into the
