@@ -257,33 +257,8 @@ def test_compact_moments_updated_on_the_gpu_equal_decode_then_torch_cuda_adamw_t
     adam = LayerAdam([storage], moments, Failure(None),
                      DeviceUpdater(torch.device("cuda"), moments.codecs, storage.trainable_numel, 1024))
     grad = torch.randn(storage.trainable_numel, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    stored = (storage.exp_avg, storage.exp_avg_sq)
-    decoded = [compact._decode(m, precision, signed=k == 0) for k, m in enumerate(stored)]
-    copies = [torch.nn.Parameter(p.detach().clone().cuda()) for p in storage.params]
-    ref = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "fused"},
-                              "params": [copies[[id(q) for q in storage.params].index(id(p))] for p in g["params"]]}
-                             for g in optimizer.param_groups], fused=True)
-    for p, q in zip(storage.params, copies):
-        at, n = storage.offsets[id(p)], p.numel()
-        q.grad = grad[at : at + n].float().view(p.shape).cuda()
-        ref.state[q] = {"step": torch.tensor(3.0, device="cuda"),
-                        "exp_avg": decoded[0][at : at + n].view(p.shape).cuda(),
-                        "exp_avg_sq": decoded[1][at : at + n].view(p.shape).cuda()}
-    ref.step()
-    master = torch.cat([q.detach().reshape(-1) for q in copies]).cpu()
-    flat = [torch.cat([ref.state[q][key].reshape(-1) for q in copies]).cpu() for key in ("exp_avg", "exp_avg_sq")]
-    expected = [compact._encode(x, precision, i, 4) for i, x in enumerate(flat)]
+    master, moments_after = compact._reference_step(storage, optimizer, grad.float(), precision, step=4, device="cuda")
     plan = snapshot(optimizer, 4, None)
-    adam.schedule(0)
-    if grad_on == "cuda":
-        adam.put(DeviceGrad(0, grad.cuda(), None, plan, lambda event: None))
-    else:
-        adam.put(DeferredUpdate(0, plan, grad))
-    adam.drain()
-    adam.worker.stop()
-    adam.close()
-    assert torch.equal(storage.master, master)
-    for got, want in zip((storage.exp_avg, storage.exp_avg_sq), expected):
-        assert torch.equal(got.values, want[0])
-        if got.scales is not None:
-            assert torch.equal(got.scales, want[1])
+    item = DeviceGrad(0, grad.cuda(), None, plan, lambda event: None) if grad_on == "cuda" else (
+        DeferredUpdate(0, plan, grad))
+    compact.run_and_compare(adam, item, storage, master, moments_after)

@@ -144,23 +144,40 @@ def _unit(precision: str) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW, 
 
 
 def _reference_step(storage: UnitStorage, optimizer: torch.optim.AdamW, grad: torch.Tensor, precision: str,
-                    step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Decode the moments, torch.optim.AdamW(fused=True) over copies of the parameters, encode them again."""
+                    step: int, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Decode the moments, torch.optim.AdamW(fused=True) over copies of the parameters on `device`, encode them
+    again (on the CPU)."""
     decoded = [_decode(m, precision, signed=i == 0) for i, m in enumerate((storage.exp_avg, storage.exp_avg_sq))]
-    copies = [torch.nn.Parameter(p.detach().clone()) for p in storage.params]
+    copies = [torch.nn.Parameter(p.detach().clone().to(device)) for p in storage.params]
     copy_of = {id(p): q for p, q in zip(storage.params, copies)}
     groups = [{**{k: v for k, v in g.items() if k != "fused"}, "params": [copy_of[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
     ref = torch.optim.AdamW(groups, fused=True)
     for p, q in zip(storage.params, copies):
         at, n = storage.offsets[id(p)], p.numel()
-        q.grad = grad[at : at + n].view(p.shape).clone()
-        ref.state[q] = {"step": torch.tensor(float(step - 1)), "exp_avg": decoded[0][at : at + n].view(p.shape).clone(),
-                        "exp_avg_sq": decoded[1][at : at + n].view(p.shape).clone()}
+        state = {"step": torch.tensor(float(step - 1)), "exp_avg": decoded[0][at : at + n],
+                 "exp_avg_sq": decoded[1][at : at + n]}
+        q.grad = grad[at : at + n].view(p.shape).to(device, copy=True)
+        ref.state[q] = {k: v.view(p.shape if v.dim() else ()).to(device, copy=True) for k, v in state.items()}
     ref.step()
-    master = torch.cat([q.detach().reshape(-1) for q in copies])
-    flat = [torch.cat([ref.state[q][key].reshape(-1) for q in copies]) for key in ("exp_avg", "exp_avg_sq")]
+    master = torch.cat([q.detach().reshape(-1) for q in copies]).cpu()
+    flat = [torch.cat([ref.state[q][key].reshape(-1) for q in copies]).cpu() for key in ("exp_avg", "exp_avg_sq")]
     return master, [_encode(x, precision, i, step) for i, x in enumerate(flat)]
+
+
+def run_and_compare(adam: LayerAdam, item: object, storage: UnitStorage, master: torch.Tensor,
+                    moments: list[list[torch.Tensor]]) -> None:
+    """Run one update item on the optimizer thread, stop it, and check the unit's master and stored moments."""
+    adam.schedule(0)
+    adam.put(item)
+    adam.drain()
+    adam.worker.stop()
+    adam.close()
+    assert torch.equal(storage.master, master)
+    for got, expected in zip((storage.exp_avg, storage.exp_avg_sq), moments):
+        assert torch.equal(got.values, expected[0])
+        if got.scales is not None:
+            assert torch.equal(got.scales, expected[1])
 
 
 def _decode(moment: Packed, precision: str, signed: bool) -> torch.Tensor:
@@ -191,16 +208,7 @@ def test_one_update_equals_decode_then_torch_adamw_then_encode(precision, grad_d
     assert adam.pool.threads == threads
     grad = torch.randn(storage.trainable_numel, generator=torch.Generator().manual_seed(2)).to(grad_dtype)
     master, moments = _reference_step(storage, optimizer, grad.float(), precision, step=4)
-    adam.schedule(0)
-    adam.put(DeferredUpdate(0, snapshot(optimizer, 4, None), grad))
-    adam.drain()
-    adam.worker.stop()
-    adam.close()
-    assert torch.equal(storage.master, master)
-    for got, expected in zip((storage.exp_avg, storage.exp_avg_sq), moments):
-        assert torch.equal(got.values, expected[0])
-        if got.scales is not None:
-            assert torch.equal(got.scales, expected[1])
+    run_and_compare(adam, DeferredUpdate(0, snapshot(optimizer, 4, None), grad), storage, master, moments)
 
 
 # ---------------------------------------------------------------------------------------------- training
