@@ -35,7 +35,8 @@ import torch
 import lightning_slide.layer_adam as layer_adam
 from lightning_slide import SlideStrategy
 from lightning_slide.data import TextDataModule, byte_tokenizer
-from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, snapshot
+from lightning_slide.device_update import DeviceUpdater
+from lightning_slide.layer_adam import DeferredUpdate, DeviceGrad, LayerAdam, snapshot
 from lightning_slide.lm import CausalLMModule
 from lightning_slide.models import build_model, model_config
 from lightning_slide.moments import Moments
@@ -216,24 +217,32 @@ def _plot(record: dict, path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------------- update
 def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW, grad: torch.Tensor, precision: str,
-                 piece: int | None, threads: int | None, repeats: int) -> dict:
+                 piece: int | None, threads: int | None, repeats: int, device: torch.device | None = None) -> dict:
     """Best and mean seconds of one unit's update (the first, warm-up, not counted); compact moments in pieces of
-    `piece` elements over a pool of `threads` (fp32: one fused call with all intra-op threads)."""
+    `piece` elements over a pool of `threads` (fp32: one fused call with all intra-op threads), or on `device`
+    (`device_update`: the master and moments copied up and back, the gradient already there)."""
     storage = UnitStorage(0, "block", params, {id(p): 0 for p in params})
     pieces, before = layer_adam.SCRATCH_ELEMS, torch.get_num_threads()
     layer_adam.SCRATCH_ELEMS = piece or pieces
     torch.set_num_threads(threads or before)  # what the pool's size is taken from
     try:
-        adam = LayerAdam([storage], Moments([storage], {}, storage.trainable_numel, Failure(None), precision),
-                         Failure(None))
+        moments = Moments([storage], {}, storage.trainable_numel, Failure(None), precision)
+        updater = None if device is None else DeviceUpdater(device, moments.codecs, storage.trainable_numel,
+                                                            LayerAdam.widen_elems(storage.trainable_numel, precision))
+        if updater is not None:
+            updater.pin([storage], set())
+        adam = LayerAdam([storage], moments, Failure(None), updater)
     finally:
         layer_adam.SCRATCH_ELEMS = pieces
         torch.set_num_threads(before)
+    on_device = grad.to(device) if device is not None else None
     times = []
     for step in range(1, repeats + 2):
+        plan = snapshot(optimizer, step, None)
         started = time.perf_counter()
         adam.schedule(0)
-        adam.put(DeferredUpdate(0, snapshot(optimizer, step, None), grad))
+        adam.put(DeferredUpdate(0, plan, grad) if on_device is None else
+                 DeviceGrad(0, on_device, None, plan, lambda event: None))
         adam.drain()
         times.append(time.perf_counter() - started)
     adam.worker.stop()
@@ -257,8 +266,15 @@ def update(args: argparse.Namespace) -> None:
         results.append({"precision": precision, "piece_elems": piece, "pool_threads": threads,
                         **_time_update(params, optimizer, grad, precision, piece, threads, args.repeats)})
         print(json.dumps(results[-1]), flush=True)
-    record = {**record_base(args), "grad_dtype": "float32", "results": results,
-              "what": "one Layer-Adam update of the unit (decode, torch._fused_adamw_, encode), best of repeats"}
+    if torch.cuda.is_available():
+        for precision in PRECISIONS[1:]:
+            results.append({"precision": precision, "on": "cuda", **_time_update(
+                params, optimizer, grad.to(torch.bfloat16), precision, None, None, args.repeats,
+                torch.device("cuda"))})
+            print(json.dumps(results[-1]), flush=True)
+    record = {**record_base(args), "grad_dtype": "float32 (bf16 on the GPU, as a step's gradient is)",
+              "results": results, "what": "one Layer-Adam update of the unit (decode, torch._fused_adamw_, encode) "
+              "by the CPU pool, or on the GPU with the master and moments copied up and back; best of repeats"}
     (Path(args.out) / "compact-update.json").write_text(json.dumps(record, indent=1))
 
 
