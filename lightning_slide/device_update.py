@@ -41,10 +41,11 @@ def chunk_elems(largest_trainable: int, piece: int) -> int:
 
 class _Buffers:
     """One chunk's device room: the master, both moments' stored values and scales, both decoded to fp32 (and
-    their int32 views), the codecs' work rows, the gradient as it arrives and widened to fp32, bf16's noise."""
+    their int32 views), the codecs' work rows, the gradient as it arrives and widened to fp32; for bf16, the
+    noise and what gathers it (each element's piece start and offset in it, and the table index)."""
 
-    def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device) -> None:
-        int8 = codecs[0].precision == "int8"
+    def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int) -> None:
+        int8, bf16 = codecs[0].precision == "int8", codecs[0].precision == "bf16"
         self.master = torch.empty(n, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
         self.scales = [torch.empty(-(-n // BLOCK), device=device) if int8 else None for _ in codecs]
@@ -54,14 +55,18 @@ class _Buffers:
         self.work_f = self.work[0].view(torch.float32)
         self.grad = torch.empty(4 * n, dtype=torch.uint8, device=device)  # a host gradient's copy, in its dtype
         self.wide = torch.empty(n, device=device)
-        self.noise = torch.empty(2 * n if codecs[0].precision == "bf16" else 0, dtype=torch.int32, device=device)
+        self.noise = torch.empty(2 * n if bf16 else 0, dtype=torch.int32, device=device)
+        e = torch.arange(n if bf16 else 0, dtype=torch.int32, device=device)
+        self.offsets = e % piece
+        self.first = e - self.offsets
+        self.index = torch.empty_like(e)
 
     @staticmethod
     def bytes_for(n: int, precision: str) -> int:
         stored = {"int8": 1, "bf16": 2}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
         work = 2 * 4 * n if precision == "int8" else 0
-        noise = 2 * 4 * n if precision == "bf16" else 0
+        noise = (2 + 3) * 4 * n if precision == "bf16" else 0
         return 4 * n + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
@@ -73,7 +78,7 @@ class DeviceUpdater:
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece)
         self.lanes = [Lane(device, side=True) for _ in range(SETS)]
-        self.sets = [_Buffers(self.chunk, codecs, device) for _ in range(SETS)]
+        self.sets = [_Buffers(self.chunk, codecs, device, piece) for _ in range(SETS)]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
@@ -157,9 +162,9 @@ class DeviceUpdater:
         its position in the table, `noise_position`), gathered here for the whole chunk. Empty for 8-bit."""
         if room.noise.numel() == 0:
             return room.noise
-        e = torch.arange(n, device=self.device)
-        first = e - e % self.piece
+        index = room.index[:n]
         for k in range(2):
-            position = noise_position(step, unit, k, start)
-            room.noise[k * n : (k + 1) * n] = self.table[(position + first) % NOISE_PERIOD + (e - first)]
+            torch.add(room.first[:n], noise_position(step, unit, k, start), out=index)
+            index.remainder_(NOISE_PERIOD).add_(room.offsets[:n])
+            torch.index_select(self.table, 0, index, out=room.noise[k * n : (k + 1) * n])
         return room.noise[: 2 * n]
