@@ -82,6 +82,8 @@ class DeviceUpdater:
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
+        if device.type == "cuda":  # the buffers' index rows were made on this thread's stream, not the lanes'
+            torch.cuda.synchronize(device)
 
     @staticmethod
     def bytes_for(largest_trainable: int, piece: int, precision: str) -> int:
