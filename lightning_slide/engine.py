@@ -547,7 +547,6 @@ class SlideEngine:
             s.release()
         self.window = None  # type: ignore[assignment]
 
-
     def _quiesce_after_failure(self) -> None:
         """A failure skipped the drain: let the GPU finish the copies it was given, which may target host memory
         that closing unpins next. An error raised here is the failure's own, already reported."""
