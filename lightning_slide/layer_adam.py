@@ -1,13 +1,13 @@
-"""Layer-Adam: the CPU optimizer thread that updates one unit (chunk) at a time with torch's fused AdamW.
+"""Layer-Adam: the optimizer thread that updates one unit (chunk) at a time with torch's fused AdamW.
 
 The math is torch's own (`torch._fused_adamw_` / `torch._fused_adam_`, the kernels behind
 `torch.optim.AdamW(fused=True)`, 4x faster than foreach on the CPU), applied per contiguous param-group
 segment of a unit's flat buffer. Compact moments (`moment_precision` "bf16" or "int8") are widened to fp32 a
-piece at a time for that call and written back after it (`moment_codec`), by a pool of single-core threads
-(`piece_pool`). An update's loop over its pieces runs in TorchScript, without Python's global lock, which the
-training thread holds most of the time. Hyperparameters are snapshotted
-when a step is launched, because Lightning steps the LR scheduler while this thread may still be updating
-that step's units.
+piece at a time for that call and written back after it (`moment_codec`): on the GPU where there is one
+(`device_update`), else by a pool of single-core threads (`piece_pool`). An update's loop over its pieces runs
+in TorchScript, without Python's global lock, which the training thread holds most of the time.
+Hyperparameters are snapshotted when a step is launched, because Lightning steps the LR scheduler while this
+thread may still be updating that step's units.
 """
 
 from __future__ import annotations
