@@ -270,6 +270,9 @@ class LayerAdam:
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
+        # a unit's last update queued on the GPU without waiting (`DeviceGrad`): its host master and moments are
+        # written once this event has passed (loads wait for it on the device; `drain` on the host)
+        self.landed: list[object] = [None] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
         largest = max((s.trainable_numel for s in storages), default=0)
         self.compact = moments.precision != "fp32"
@@ -314,12 +317,20 @@ class LayerAdam:
         return self.failure.wait(lambda: self.ready(unit), f"the update of unit {unit}")
 
     def drain(self) -> float:
-        return self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()
+        waited = self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()
+        for unit, event in enumerate(self.landed):
+            if event is not None:
+                waited += self.failure.wait(event.query, f"the GPU update of unit {unit}")
+                self.landed[unit] = None
+        return waited
 
     def _handle(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
-        if isinstance(item, DeviceGrad):
+        if isinstance(item, DeviceGrad):  # queued on the GPU, not waited for: the next unit's chunks follow at once
             with self._working_on(item.unit):
-                event = self._update(item.unit, item.plan, 0, item.grads, item.ready)
+                (master, *moments), _ = self.moments.open(item.unit, 0, item.grads.numel())  # RAM: nothing to return
+                event = self.on_device.run(self.storages[item.unit], item.plan, 0, item.grads, item.ready, master,
+                                           tuple(moments))
+            self.landed[item.unit] = event
             item.done(event)
             self._finish(item.unit)
             return

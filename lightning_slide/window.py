@@ -152,6 +152,7 @@ class Window:
         dst = slot.params[: storage.numel]
         with self.h2d():
             self.h2d.wait(slot.params_free)
+            self.h2d.wait(self.adam.landed[unit])  # an update queued on the GPU writes the master read here
             if storage.shadow is not None:
                 dst.copy_(storage.shadow, non_blocking=True)
             elif self.staging is None:
