@@ -7,7 +7,7 @@ at 8x1024 take 9.2 s against 2.8. On the GPU the same ops are a few memory-bound
 for the host is the copies, 6 bytes per parameter each way with 8-bit moments (fp32 master, codes, scales), where
 the CPU update read and wrote about 28 plus the gradient's 4.
 
-The arithmetic is `layer_adam._adam_pieces`, the CPU path's own, on device tensors. Its codec steps are exact
+The arithmetic is `layer_adam.adam_pieces`, the CPU path's own, on device tensors. Its codec steps are exact
 integer and IEEE operations, so given the same inputs they give the same bits on either device; bf16 rounding
 draws its noise exactly as the CPU path's pieces do (`noise_for`). The fused AdamW call is torch's CUDA kernel.
 Units whose moments are on disk keep the CPU path (their chunks come and go through the disk tier's buffers).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_slide.layer_adam import StepPlan, _adam_pieces, groups_of
+from lightning_slide.layer_adam import StepPlan, adam_pieces, groups_of
 from lightning_slide.moment_codec import BLOCK, NOISE_PERIOD, MomentCodec, Packed, noise_position, scripted
 from lightning_slide.storage import UnitStorage, pin_, unpin_
 from lightning_slide.streams import Lane
@@ -145,7 +145,7 @@ class DeviceUpdater:
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
         noise = self.noise_for(room, plan.step, storage.index, start, n)
         hyper, flags, bounds = groups_of(storage, plan)
-        scripted(_adam_pieces)(
+        scripted(adam_pieces)(
             0, 1, max(n, 1), start, grad, gm, self.codecs[0].precision, values, scales,
             [c.shift for c in self.codecs], noise, [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits,
             room.work, room.work_f, room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device),
@@ -160,7 +160,7 @@ class DeviceUpdater:
 
     def noise_for(self, room: _Buffers, step: int, unit: int, start: int, n: int) -> torch.Tensor:
         """bf16: both moments' rounding noise for elements [start, start + n) of `unit`, laid out one after the
-        other: what the CPU path's pieces of `piece` elements draw (`_adam_pieces` starts each piece's draw at
+        other: what the CPU path's pieces of `piece` elements draw (`adam_pieces` starts each piece's draw at
         its position in the table, `noise_position`), gathered here for the whole chunk. Empty for 8-bit."""
         if room.noise.numel() == 0:
             return room.noise

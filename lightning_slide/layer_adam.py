@@ -118,13 +118,13 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, 
           piece: int, first: int = 0, stride: int = 1) -> None:
     """AdamW over [start, start + len(grad)) of a unit's trainable range: the pieces first, first + stride, ...
     of `piece` elements, each decoded (compact moments), updated by one fused call per group segment and
-    encoded again, all in one TorchScript call (`_adam_pieces`).
+    encoded again, all in one TorchScript call (`adam_pieces`).
 
     `master` and the moments cover the same range (views of RAM, or buffers read from the disk tier); the shadow
     copy that loads read is refreshed from `master` while it is at hand.
     """
     hyper, flags, bounds = groups_of(storage, plan)
-    scripted(_adam_pieces)(
+    scripted(adam_pieces)(
         first, stride, piece, start, grad, master, codecs[0].precision, [m.values for m in moments],
         [m.scales for m in moments], [c.shift for c in codecs], codecs[0].noise,
         [noise_position(plan.step, storage.index, k, start) for k in range(2)], NOISE_PERIOD, BLOCK,
@@ -134,14 +134,14 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, 
 
 def groups_of(storage: UnitStorage, plan: StepPlan) -> tuple[list[list[float]], list[list[bool]], list[int]]:
     """Each param-group segment of the unit: its hyperparameters, its flags, and its bounds (start, end pairs),
-    as `_adam_pieces` takes them."""
+    as `adam_pieces` takes them."""
     groups = [plan.groups[seg.group] for seg in storage.segments]
     return ([[h.lr, h.beta1, h.beta2, h.eps, h.weight_decay] for h in groups],
             [[h.decoupled, h.amsgrad, h.maximize] for h in groups],
             [b for seg in storage.segments for b in (seg.start, seg.end)])
 
 
-def _adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Tensor, master: torch.Tensor,
+def adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Tensor, master: torch.Tensor,
                  precision: str, values: list[torch.Tensor], scales: list[torch.Tensor | None], shifts: list[int],
                  noise: torch.Tensor, positions: list[int], period: int, block: int, out: list[torch.Tensor],
                  out_bits: list[torch.Tensor], work: torch.Tensor, work_f: torch.Tensor, wide: torch.Tensor,
@@ -279,7 +279,7 @@ class LayerAdam:
         self.piece = piece = self.widen_elems(largest, moments.precision)
         self.scratch = Scratch(0, piece)  # this thread's: fp32 moments need no scratch
         self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
-        scripted(_adam_pieces)  # compiled here, before any update waits for it
+        scripted(adam_pieces)  # compiled here, before any update waits for it
         self.worker: Worker[GradChunk | DeferredUpdate | DeviceGrad] = Worker("layer-adam", self._handle, failure)
 
     @staticmethod
