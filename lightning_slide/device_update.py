@@ -115,18 +115,20 @@ class DeviceUpdater:
         which the host copies hold the result and `grad` may be reused."""
         n = grad.numel()
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
+        groups = groups_of(storage, plan)
         for i, a in enumerate(range(0, n, self.chunk)):
             b = min(a + self.chunk, n)
             lane, room = self.lanes[i % SETS], self.sets[i % SETS]
             with lane():
                 lane.wait(ready)
-                self._chunk(room, storage, plan, start + a, grad[a:b], master[a:b],
+                self._chunk(room, storage, plan, groups, start + a, grad[a:b], master[a:b],
                             tuple(m[a:b] for m in moments), scale)
         for lane in self.lanes[1:]:
             self.lanes[0].wait(lane.record())
         return self.lanes[0].record()
 
-    def _chunk(self, room: _Buffers, storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor,
+    def _chunk(self, room: _Buffers, storage: UnitStorage, plan: StepPlan,
+               groups: tuple[list[list[float]], list[list[bool]], list[int]], start: int, grad: torch.Tensor,
                master: torch.Tensor, moments: tuple[Packed, ...], scale: float | None) -> None:
         """One chunk on the current stream (a lane's: everything it allocates is ordered there): copies up, the
         update, copies back."""
@@ -144,7 +146,7 @@ class DeviceUpdater:
             self.bytes_up += n * grad.element_size()
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
         noise = self.noise_for(room, plan.step, storage.index, start, n)
-        hyper, flags, bounds = groups_of(storage, plan)
+        hyper, flags, bounds = groups
         scripted(adam_pieces)(
             0, 1, max(n, 1), start, grad, gm, self.codecs[0].precision, values, scales,
             [c.shift for c in self.codecs], noise, [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits,

@@ -327,9 +327,7 @@ class LayerAdam:
     def _handle(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
         if isinstance(item, DeviceGrad):  # queued on the GPU, not waited for: the next unit's chunks follow at once
             with self._working_on(item.unit):
-                (master, *moments), _ = self.moments.open(item.unit, 0, item.grads.numel())  # RAM: nothing to return
-                event = self.on_device.run(self.storages[item.unit], item.plan, 0, item.grads, item.ready, master,
-                                           tuple(moments))
+                event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False)
             self.landed[item.unit] = event
             item.done(event)
             self._finish(item.unit)
@@ -360,15 +358,18 @@ class LayerAdam:
         finally:
             self.work_s[unit] += time.perf_counter() - start
 
-    def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor, ready: object = None) -> object:
+    def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor, ready: object = None,
+                wait: bool = True) -> object:
         """AdamW over [start, start + len(grad)) of `unit`: on the GPU (`device_update`; returns the event after
-        which `grad` may be reused), or on the CPU in pieces where something is widened to fp32 first: compact
-        moments (the pool's threads taking every threads-th piece each) or a gradient held in the compute dtype
-        (torch's fused AdamW takes fp32 grads for fp32 weights)."""
+        which `grad` may be reused and the host holds the result, waited for unless `wait` is False), or on the
+        CPU in pieces where something is widened to fp32 first: compact moments (the pool's threads taking every
+        threads-th piece each) or a gradient held in the compute dtype (torch's fused AdamW takes fp32 grads for
+        fp32 weights)."""
         (master, *moments), done = self.moments.open(unit, start, grad.numel())
-        if self.updates_on_device(unit):
+        if self.updates_on_device(unit):  # RAM moments: `done` hands nothing back
             event = self.on_device.run(self.storages[unit], plan, start, grad, ready, master, tuple(moments))
-            host_wait(event)
+            if wait:
+                host_wait(event)
             done()
             return event
         args = (self.storages[unit], plan, start, grad, master, tuple(moments), self.moments.codecs)
