@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from lightning_slide.available import available_vram
-from lightning_slide.storage import pin_, unpin_
+from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import Region, Spill, TierDirectory, align
@@ -33,7 +33,7 @@ class _HostBuffer:
     tokens, 640 MiB, would take 1 GiB)."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.raw = torch.empty(nbytes, dtype=torch.uint8)
+        self.raw = host_empty(nbytes, torch.uint8)
         self.pinned = pin and pin_(self.raw)
         self.tensor = self.raw  # the current input's view
         self.read_done = None  # h2d event of the last copy back: later writes wait for it

@@ -19,7 +19,8 @@ import torch
 
 from lightning_slide.layer_adam import StepPlan, adam_pieces, groups_of
 from lightning_slide.moment_codec import BLOCK, NOISE_PERIOD, MomentCodec, Packed, noise_position, scripted
-from lightning_slide.storage import UnitStorage, pin_, unpin_
+from lightning_slide.pinned import pin_, unpin_
+from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 208 MiB a set with 8-bit moments)

@@ -34,6 +34,7 @@ from functools import cache, lru_cache
 import torch
 
 from lightning_slide.config import INT8_BLOCK, MomentPrecision
+from lightning_slide.pinned import host_zeros
 
 BLOCK = INT8_BLOCK  # int8: elements per absmax scale (bitsandbytes' block for its 8-bit blockwise optimizers)
 # A compact update's piece: its fp32 moments are 256 KiB each, within a core's L2. Over one 8B block on the H200
@@ -166,7 +167,7 @@ class MomentCodec:
         return elements * torch.empty(0, dtype=self.dtype).element_size()
 
     def zeros(self, elements: int) -> Packed:
-        return self.from_bytes(torch.zeros(self.bytes_for(elements), dtype=torch.uint8), elements)
+        return self.from_bytes(host_zeros(self.bytes_for(elements), torch.uint8), elements)
 
     def from_bytes(self, raw: torch.Tensor, elements: int, words: torch.Tensor | None = None) -> Packed:
         """The moment laid out in the bytes `raw` (a disk buffer or a mapped file): values, then scales. `words`,
@@ -232,8 +233,7 @@ class Int8Codec(MomentCodec):
 
     def zeros(self, elements: int) -> Packed:
         """Codes and scales in allocations of their own (torch.save keeps one dtype per storage)."""
-        codes = torch.zeros(_codes_bytes(elements), dtype=torch.uint8)[:elements]
-        return Packed(codes, torch.zeros(-(-elements // BLOCK)))
+        return Packed(host_zeros(_codes_bytes(elements), torch.uint8)[:elements], host_zeros(-(-elements // BLOCK)))
 
     def piece_bytes(self, elements: int, start: int, n: int) -> list[tuple[int, int, int]]:
         """The codes, then the scales of the piece's blocks (`start` on a block boundary)."""

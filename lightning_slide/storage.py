@@ -7,13 +7,13 @@ group is one contiguous segment of the buffer.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lightning_slide.moment_codec import MomentCodec, Packed
+from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.tiers import DiskFile
 
 
@@ -24,18 +24,6 @@ class Segment:
     group: int
     start: int
     end: int
-
-
-def pin_(tensor: torch.Tensor) -> bool:
-    """Page-lock an existing host tensor in place (cudaHostRegister: ~5x faster than pin_memory=True)."""
-    if not torch.cuda.is_available() or tensor.numel() == 0:
-        return False
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    return int(err) == 0
-
-
-def unpin_(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(tensor.data_ptr()).value)
 
 
 class UnitStorage:
@@ -70,7 +58,7 @@ class UnitStorage:
         self.numel = offset
         self.trainable_numel = self.segments[-1].end if self.segments else 0
         self.on_disk = master_file is not None
-        self.master = self._adopt(self.params, master_file.map(self.numel) if self.on_disk else torch.empty(self.numel))
+        self.master = self._adopt(self.params, master_file.map(self.numel) if self.on_disk else host_empty(self.numel))
         self.pinned = not self.on_disk and pin_(self.master)
         self.exp_avg = self.exp_avg_sq = Packed(torch.empty(0))
         self.max_exp_avg_sq: torch.Tensor | None = None
@@ -128,7 +116,7 @@ class UnitStorage:
         """The gradients a step holds until its updates run: fp32 sums for accumulation windows (+4 B/param of
         RAM), or a deferred step's single gradient in the dtype it was computed in (+2 B/param under bf16).
         Pinned on CUDA: a window's first gradient is copied straight in, without a pass over host memory."""
-        self.grad_acc = torch.empty(self.trainable_numel, dtype=dtype)
+        self.grad_acc = host_empty(self.trainable_numel, dtype)
         self.acc_pinned = pin_(self.grad_acc)
 
     def add_moments(self, codecs: tuple[MomentCodec, MomentCodec]) -> None:

@@ -188,6 +188,26 @@ def test_master_weights_and_gradient_sums_are_pinned_and_unpinned_at_close():
     assert not any(s.pinned or s.acc_pinned for s in engine.storages)
 
 
+def test_host_buffers_allocated_one_after_another_all_page_lock():
+    """Small buffers side by side in the heap would share pages, and the runtime refuses a page locked twice."""
+    from lightning_slide.pinned import host_empty, pin_, unpin_
+
+    buffers = [host_empty(1000 + i) for i in range(64)]
+    assert all(pin_(b) for b in buffers)
+    for b in buffers:
+        unpin_(b)
+
+
+def test_a_refused_page_lock_leaves_the_buffer_pageable_and_the_next_kernel_launch_unharmed():
+    from lightning_slide.pinned import host_empty, pin_, unpin_
+
+    buffer = host_empty(1000)
+    assert pin_(buffer)
+    assert not pin_(buffer)  # already locked: cudaErrorHostMemoryAlreadyRegistered
+    assert torch.equal(torch.ones(4, device="cuda") * 2, torch.full((4,), 2.0, device="cuda"))
+    unpin_(buffer)
+
+
 def test_the_fused_loss_takes_its_buffer_budget_from_the_config():
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(loss_chunk_mib=256),

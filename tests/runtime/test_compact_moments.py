@@ -173,6 +173,7 @@ def run_and_compare(adam: LayerAdam, item: object, storage: UnitStorage, master:
     adam.drain()
     adam.worker.stop()
     adam.close()
+    storage.release()
     assert torch.equal(storage.master, master)
     for got, expected in zip((storage.exp_avg, storage.exp_avg_sq), moments):
         assert torch.equal(got.values, expected[0])

@@ -51,8 +51,9 @@ def _engine_bytes(engine: SlideEngine) -> int:
 
 def _packed(moment) -> list[torch.Tensor]:
     """A moment's allocations: its values (an 8-bit moment's codes padded to 4 bytes) and its scales."""
-    whole = [torch.empty(0, dtype=torch.uint8).set_(moment.values.untyped_storage())]
-    return whole + ([] if moment.scales is None else [moment.scales])
+    if moment.scales is None:
+        return [moment.values]
+    return [torch.empty(-(-moment.values.numel() // 4) * 4, dtype=torch.uint8), moment.scales]
 
 
 @pytest.mark.parametrize(
