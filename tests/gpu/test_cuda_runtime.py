@@ -193,7 +193,7 @@ def test_host_buffers_allocated_one_after_another_all_page_lock():
     from lightning_slide.pinned import host_empty, pin_, unpin_
 
     buffers = [host_empty(1000 + i) for i in range(64)]
-    assert all(pin_(b) for b in buffers)
+    assert all(pin_(b) and b.is_pinned() for b in buffers)
     for b in buffers:
         unpin_(b)
 
