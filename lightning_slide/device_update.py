@@ -15,6 +15,9 @@ Units whose moments are on disk keep the CPU path (their chunks come and go thro
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
+
 import torch
 
 from lightning_slide.layer_adam import StepPlan, adam_pieces, groups_of
@@ -26,6 +29,33 @@ from lightning_slide.streams import Lane
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 208 MiB a set with 8-bit moments)
 SETS = 2  # buffer sets, each on its own stream: one chunk's copies overlap the other's update
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
+
+
+@dataclass
+class SlotWrite:
+    """A unit's GPU weight slot that its update on the GPU also writes the new weights into (in the compute dtype,
+    as a load casts them), so that the next step need not load them again. The window hands it out and may take
+    the slot back while the update has not started (`drop`); once the updater has taken it (`take`), the window
+    waits for the writes instead."""
+
+    params: torch.Tensor  # the slot's view of the unit's trainable range
+    free: object  # compute event after the slot's last reader
+    _state: str = "pending"  # -> "writing" (the updater took it) or "dropped" (the window took the slot back)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self) -> bool:
+        """The updater: write into the slot, unless the window has taken it back."""
+        with self._lock:
+            if self._state == "pending":
+                self._state = "writing"
+            return self._state == "writing"
+
+    def drop(self) -> bool:
+        """The window: take the slot back, unless the updater writes into it already (then wait for the update)."""
+        with self._lock:
+            if self._state == "pending":
+                self._state = "dropped"
+            return self._state == "dropped"
 
 
 def compact_updates_on(device: torch.device) -> torch.device | None:
@@ -110,29 +140,34 @@ class DeviceUpdater:
         self._pinned.clear()
 
     def run(self, storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, ready: object,
-            master: torch.Tensor, moments: tuple[Packed, Packed]) -> object:
+            master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None = None) -> object:
         """Queue AdamW over [start, start + len(grad)) of `storage`'s trainable range: `master` and `moments` are
-        that range's host copies, `grad` is on the device (after `ready`) or on the host. Returns the event after
-        which the host copies hold the result and `grad` may be reused."""
+        that range's host copies, `grad` is on the device (after `ready`) or on the host; the new weights also go
+        into `slot` unless the window took it back. Returns the event after which the host copies (and the slot)
+        hold the result and `grad` may be reused."""
         n = grad.numel()
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
         groups = groups_of(storage, plan)
+        weights = slot.params[start : start + n] if slot is not None and slot.take() else None
         for i, a in enumerate(range(0, n, self.chunk)):
             b = min(a + self.chunk, n)
             lane, room = self.lanes[i % SETS], self.sets[i % SETS]
             with lane():
                 lane.wait(ready)
+                if weights is not None:
+                    lane.wait(slot.free)
                 self._chunk(room, storage, plan, groups, start + a, grad[a:b], master[a:b],
-                            tuple(m[a:b] for m in moments), scale)
+                            tuple(m[a:b] for m in moments), scale, None if weights is None else weights[a:b])
         for lane in self.lanes[1:]:
             self.lanes[0].wait(lane.record())
         return self.lanes[0].record()
 
     def _chunk(self, room: _Buffers, storage: UnitStorage, plan: StepPlan,
                groups: tuple[list[list[float]], list[list[bool]], list[int]], start: int, grad: torch.Tensor,
-               master: torch.Tensor, moments: tuple[Packed, ...], scale: float | None) -> None:
+               master: torch.Tensor, moments: tuple[Packed, ...], scale: float | None,
+               weights: torch.Tensor | None) -> None:
         """One chunk on the current stream (a lane's: everything it allocates is ordered there): copies up, the
-        update, copies back."""
+        update, copies back (and the new weights into their slot)."""
         n = grad.numel()
         step = torch.full((), float(plan.step), device=self.device)
         grad_scale = None if scale is None else torch.full((), scale, device=self.device)
@@ -154,6 +189,8 @@ class DeviceUpdater:
             room.work, room.work_f, room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device),
             bounds, hyper, flags, None, step, grad_scale, None)
         master.copy_(gm, non_blocking=True)
+        if weights is not None:
+            weights.copy_(gm)  # the cast a load of the fp32 master makes
         for m, v, s in zip(moments, values, scales):
             m.values.copy_(v, non_blocking=True)
             if s is not None:

@@ -454,7 +454,8 @@ class SlideEngine:
         self.moments.plan(units)
         for u in units:
             self.adam.schedule(u)
-            self.adam.put(DeferredUpdate(u, plan, holding.pop(u)))
+            slot = self.window.claim(u) if self.adam.updates_on_device(u) else None
+            self.adam.put(DeferredUpdate(u, plan, holding.pop(u), slot))
 
     def _warn_nonfinite(self, norm: GlobalNorm) -> None:
         names = [self.storages[u].name for u in norm.nonfinite_units()]

@@ -145,8 +145,10 @@ class GradRouter:
         buffer = book.receiving.pop(unit)
         buffer.idle.clear()
         book.written.difference_update(id(p) for p in storage.params)
+        on_device = update and not holds and self.adam.updates_on_device(unit)  # the gradient stays on the GPU
         dispatch = Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), book.plan,
-                            holds, update, buffer.release, first, sums)
+                            holds, update, buffer.release, first, sums, on_device,
+                            self.window.claim(unit) if on_device else None)
         if unit in self.held_back:
             book.held.append(dispatch)
         else:

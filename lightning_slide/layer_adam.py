@@ -41,7 +41,7 @@ from lightning_slide.streams import host_wait
 from lightning_slide.threads import Failure, Worker
 
 if TYPE_CHECKING:
-    from lightning_slide.device_update import DeviceUpdater
+    from lightning_slide.device_update import DeviceUpdater, SlotWrite
 
 # A low-precision gradient reaches AdamW in fp32 pieces of 4M elements (16 MiB). Over one Llama-3.1-8B block
 # (218M parameters) on the H200 machine's 16 cores, fused AdamW took 44.6 ms with fp32 gradients in 32M-element
@@ -220,6 +220,7 @@ class DeviceGrad:
     ready: object  # compute-lane event after the gradient's last write
     plan: StepPlan
     done: object  # callable(event): the GPU buffer may be reused after `event`
+    slot: SlotWrite | None = None  # the unit's weight slot, for the new weights
 
 
 @dataclass
@@ -230,6 +231,7 @@ class DeferredUpdate:
     unit: int
     plan: StepPlan
     grads: torch.Tensor = field(repr=False)
+    slot: SlotWrite | None = None  # the unit's weight slot, for the new weights (an update on the GPU)
 
 
 class Scratch:
@@ -270,7 +272,7 @@ class LayerAdam:
         self.failure = failure
         self.scheduled = [0] * len(storages)
         self.applied = [0] * len(storages)
-        # a unit's last update queued on the GPU without waiting (`DeviceGrad`): its host master and moments are
+        # a unit's last update on the GPU: its host master and moments (and the weight slot it was given) are
         # written once this event has passed (loads wait for it on the device; `drain` on the host)
         self.landed: list[object] = [None] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
@@ -327,15 +329,14 @@ class LayerAdam:
     def _handle(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
         if isinstance(item, DeviceGrad):  # queued on the GPU, not waited for: the next unit's chunks follow at once
             with self._working_on(item.unit):
-                event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False)
-            self.landed[item.unit] = event
+                event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False, slot=item.slot)
             item.done(event)
             self._finish(item.unit)
             return
         if isinstance(item, DeferredUpdate):
             with self._working_on(item.unit):
                 for start, n in self.moments.spans(item.unit):
-                    self._update(item.unit, item.plan, start, item.grads[start : start + n])
+                    self._update(item.unit, item.plan, start, item.grads[start : start + n], slot=item.slot)
             self._finish(item.unit)
             return
         host_wait(item.ready)
@@ -359,17 +360,18 @@ class LayerAdam:
             self.work_s[unit] += time.perf_counter() - start
 
     def _update(self, unit: int, plan: StepPlan, start: int, grad: torch.Tensor, ready: object = None,
-                wait: bool = True) -> object:
-        """AdamW over [start, start + len(grad)) of `unit`: on the GPU (`device_update`; returns the event after
-        which `grad` may be reused and the host holds the result, waited for unless `wait` is False), or on the
-        CPU in pieces where something is widened to fp32 first: compact moments (the pool's threads taking every
-        threads-th piece each) or a gradient held in the compute dtype (torch's fused AdamW takes fp32 grads for
-        fp32 weights)."""
+                wait: bool = True, slot: SlotWrite | None = None) -> object:
+        """AdamW over [start, start + len(grad)) of `unit`: on the GPU (`device_update`, the new weights also into
+        `slot`; returns the event after which `grad` may be reused and the host holds the result, waited for unless
+        `wait` is False, and kept in `landed`), or on the CPU in pieces where something is widened to fp32 first:
+        compact moments (the pool's threads taking every threads-th piece each) or a gradient held in the compute
+        dtype (torch's fused AdamW takes fp32 grads for fp32 weights)."""
         (master, *moments), done = self.moments.open(unit, start, grad.numel())
         if self.updates_on_device(unit):  # RAM moments: `done` hands nothing back
-            event = self.on_device.run(self.storages[unit], plan, start, grad, ready, master, tuple(moments))
+            event = self.on_device.run(self.storages[unit], plan, start, grad, ready, master, tuple(moments), slot)
             if wait:
                 host_wait(event)
+            self.landed[unit] = event
             done()
             return event
         args = (self.storages[unit], plan, start, grad, master, tuple(moments), self.moments.codecs)

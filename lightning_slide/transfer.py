@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from lightning_slide.device_update import SlotWrite
 from lightning_slide.layer_adam import DeviceGrad, GradChunk, LayerAdam, StepPlan
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure, Worker
@@ -67,6 +68,8 @@ class Dispatch:
     done: object  # callable(event): the slot's gradient buffer may be reused after `event`
     first: bool = False  # the window's first gradient of the unit: it replaces the sums
     sums: torch.Tensor | None = None  # the unit's fp32 sums, when a first gradient can land there directly
+    on_device: bool = False  # an eager update on the GPU: the gradient goes to it as it is
+    slot: SlotWrite | None = None  # the unit's weight slot, for that update's new weights
 
 
 class GradPump:
@@ -100,8 +103,8 @@ class GradPump:
         the unit's pinned sums. A first gradient that ends its window is the unit's whole sum: when the step
         clips, its norm is measured here, on the device. An eager step's gradient whose update runs on the GPU
         stays where it is: the optimizer thread gets it as it is."""
-        if item.update and not item.accumulate and self.adam.updates_on_device(item.unit):
-            self.adam.put(DeviceGrad(item.unit, item.grads, item.ready, item.plan, item.done))
+        if item.on_device:
+            self.adam.put(DeviceGrad(item.unit, item.grads, item.ready, item.plan, item.done, item.slot))
             return
         n, step = item.grads.numel(), self.ring.elems
         with self.d2h():

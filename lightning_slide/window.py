@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from lightning_slide.device_update import SlotWrite
 from lightning_slide.layer_adam import LayerAdam
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
@@ -37,6 +38,7 @@ class Slot:
         self.version = -1
         self.loaded = None  # h2d event: weights are in
         self.params_free = None  # compute event: the last reader of the weights has run
+        self.claim: tuple[int, SlotWrite] | None = None  # a unit whose update on the GPU writes its weights here
 
 
 class GradBuffer:
@@ -119,8 +121,9 @@ class Window:
         copying into them; the units they held load again when next needed.
         """
         for slot in self.ring[count:]:
-            if slot.loaded is not None:
-                torch.cuda.current_stream(self.device).wait_event(slot.loaded)
+            for event in (slot.loaded, self._settle(slot, None)):
+                if event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(event)
         del self.ring[count:]
 
     def holding(self, unit: int) -> Slot | None:
@@ -131,9 +134,34 @@ class Window:
     def ensure(self, unit: int, position: int, direction: int, protect: set[int]) -> Slot:
         """The slot holding `unit`'s current weights, loading them (asynchronously) if needed."""
         slot = self.holding(unit) or self._victim(position, direction, protect)
+        written = self._settle(slot, unit)
         if slot.unit != unit or slot.version != self.adam.scheduled[unit]:
-            self._load(slot, unit)
+            self._load(slot, unit, written)
         return slot
+
+    def claim(self, unit: int) -> SlotWrite | None:
+        """The slot holding `unit`, for the unit's update on the GPU (already scheduled) to write the new weights
+        into: the slot holds that update's version from now on, and its next use waits for the writes."""
+        slot = self.holding(unit)
+        if slot is None or slot.unit != unit or slot.claim is not None:  # an earlier update's writes not yet settled
+            return None
+        write = SlotWrite(slot.params[: self.storages[unit].trainable_numel], slot.params_free)
+        slot.version, slot.claim = self.adam.scheduled[unit], (unit, write)
+        return write
+
+    def _settle(self, slot: Slot, unit: int | None) -> object:
+        """Resolve the slot's claim before `unit` (None: nothing) uses it: for the claiming unit, or where the
+        updater writes already, wait until the update is queued and return the event after its writes (the slot's
+        weights are in after it); else take the slot back, and the update leaves it alone."""
+        if slot.claim is None:
+            return None
+        (owner, write), slot.claim = slot.claim, None
+        if owner != unit and write.drop():
+            slot.version = -1  # the claiming unit's new weights will not be here
+            return None
+        self.waits[owner] += self.adam.wait_applied(owner)
+        slot.loaded = self.adam.landed[owner]
+        return slot.loaded
 
     def _victim(self, position: int, direction: int, protect: set[int]) -> Slot:
         """Prefer an empty slot, then the unit furthest behind the pass, then the one needed last."""
@@ -146,12 +174,14 @@ class Window:
 
         return max((s for s in self.ring if s.unit not in protect), key=rank)
 
-    def _load(self, slot: Slot, unit: int) -> None:
+    def _load(self, slot: Slot, unit: int, written: object = None) -> None:
+        """Load `unit` into `slot` after its last reader and after `written` (an update's writes into it)."""
         self.waits[unit] += self.adam.wait_applied(unit)
         storage = self.storages[unit]
         dst = slot.params[: storage.numel]
         with self.h2d():
             self.h2d.wait(slot.params_free)
+            self.h2d.wait(written)
             self.h2d.wait(self.adam.landed[unit])  # an update queued on the GPU writes the master read here
             if storage.shadow is not None:
                 dst.copy_(storage.shadow, non_blocking=True)

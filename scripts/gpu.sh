@@ -30,11 +30,11 @@
 #   bash scripts/gpu.sh desktop  a 64 GB desktop (a 64 GiB memory cgroup): `train.py` at 8B with 8-bit moments,
 #                                       defaults but clipping off (CLIP=1.0 sets it): train with validation,
 #                                       export and reload (benchmarks/e2e.py)                -> results/e2e/
-#   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape, then the
-#                                       crash / resume / export cycle at 3B (benchmarks/e2e.py) -> results/e2e/
-#   bash scripts/gpu.sh crash   the whole crash cycle at 1B: the run uninterrupted, then checkpoint, SIGKILL,
-#                                       resume, export and reload, the resumed losses beside the uninterrupted ones
-#                                                                                   -> results/e2e/
+#   bash scripts/gpu.sh e2e     the CLI at 8B under a 24 GiB cap beside the harness's same shape (benchmarks/e2e.py;
+#                                       about 6 minutes)                                     -> results/e2e/
+#   bash scripts/gpu.sh crash   the whole crash cycle at 1B (MODEL=llama3_3b DEADLINE=300 for 3B): the run
+#                                       uninterrupted, then checkpoint, SIGKILL, resume, export and reload, the
+#                                       resumed losses beside the uninterrupted ones         -> results/e2e/
 #   bash scripts/gpu.sh packing  packed against padded SFT batches at 1B, seq 2048 (benchmarks/packing.py;
 #                                       MODEL= another architecture)                -> results/packing/
 # Writes logs and results under $OUT. Wheels in .whl/ are installed into /tmp/site first, for an offline machine:
@@ -95,16 +95,15 @@ case "${1:-check}" in
       | tail -3 > "$OUT/desktop.log"; tail -3 "$OUT/desktop.log"
     ;;
   e2e)
-    python3 -m benchmarks.run --cases llama3_8b-mb8-cap24-slide-cpu-clip1 --out "$OUT/harness" \
+    python3 -m benchmarks.run --cases llama3_8b-mb8-cap24-slide-cpu-clip1 --out /tmp/e2e-harness \
       --commit "$COMMIT" 2>&1 | tail -5
+    cp /tmp/e2e-harness/results.jsonl "$OUT/harness-results.jsonl"
     python3 -m benchmarks.e2e --model llama3_8b --out "$OUT" --deadline-s 230 --commit "$COMMIT" 2>&1 | tail -3
     df -h /tmp | tee -a "$OUT/machine.txt"
-    python3 -m benchmarks.e2e --model llama3_3b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 200 \
-      --commit "$COMMIT" 2>&1 | tail -3
     ;;
   crash)
-    python3 -m benchmarks.e2e --model llama3_1b --crash --steps 12 --val-every 6 --out "$OUT" --deadline-s 420 \
-      --commit "$COMMIT" 2>&1 | tail -3
+    python3 -m benchmarks.e2e --model "${MODEL:-llama3_1b}" --crash --steps 12 --val-every 6 --out "$OUT" \
+      --deadline-s "${DEADLINE:-420}" --commit "$COMMIT" 2>&1 | tail -3
     ;;
   packing)
     timeout 300 python3 -m benchmarks.packing --model "${MODEL:-llama3_1b}" --out "$OUT" --commit "$COMMIT" 2>&1 \

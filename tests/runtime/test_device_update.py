@@ -11,12 +11,12 @@ from lightning_slide import SlideConfig, SlideEngine, StepMode
 from tests.runtime.helpers import engine_steps, param_groups, tiny_model, token_batches
 
 
-def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch) -> SlideEngine:
+def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch, slots: int | str = "auto") -> SlideEngine:
     monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: device if on_device else None)
     model = tiny_model("llama")
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
-    engine = SlideEngine(model, optimizer, SlideConfig(moment_precision=precision), torch.device("cpu"),
-                         torch.float32, mode)
+    engine = SlideEngine(model, optimizer, SlideConfig(moment_precision=precision, slots=slots),
+                         torch.device("cpu"), torch.float32, mode)
     assert (engine.adam.on_device is not None) == on_device
     engine_steps(engine, model, token_batches(3))
     return engine
@@ -31,12 +31,45 @@ def test_updates_on_the_device_train_bit_for_bit_as_the_cpu_pool(precision, mode
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
     pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
     assert device.adam.on_device.chunk == 1024
-    for a, b in zip(pool.storages, device.storages):
+    _assert_same_state(pool, device)
+    pool.close(), device.close()
+
+
+def _assert_same_state(a_engine: SlideEngine, b_engine: SlideEngine) -> None:
+    for a, b in zip(a_engine.storages, b_engine.storages):
         assert torch.equal(a.master, b.master), a.name
         for key in ("exp_avg", "exp_avg_sq"):
             x, y = getattr(a, key), getattr(b, key)
             assert torch.equal(x.values, y.values) and (x.scales is None or torch.equal(x.scales, y.scales)), a.name
+
+
+@pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
+def test_updates_on_the_device_write_resident_weights_into_their_slots_instead_of_loading_them_again(mode,
+                                                                                                    monkeypatch):
+    """Every block resident: after the first step, only what no update wrote is loaded."""
+    pool, device = (_train("int8", mode, on, monkeypatch, slots=8) for on in (False, True))
+    _assert_same_state(pool, device)
+    loads = [e.window.bytes for e in (pool, device)]
+    embedding_and_head = sum(device.storages[u].numel * 4 for u in device.window.dedicated)
+    blocks = sum(s.numel * 4 for u, s in enumerate(device.storages) if u not in device.window.dedicated)
+    assert loads[0] == 3 * (blocks + embedding_and_head)  # every unit, every step
+    assert loads[1] == blocks + embedding_and_head  # the first step's loads only
     pool.close(), device.close()
+
+
+def test_a_slot_taken_back_before_its_update_writes_there_keeps_the_update_off_it(monkeypatch):
+    """Two ring slots: the backward takes back slots whose blocks' updates have not started."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    pool, device = (_train("bf16", StepMode(), on, monkeypatch, slots=2) for on in (False, True))
+    _assert_same_state(pool, device)
+    pool.close(), device.close()
+
+
+def test_a_slot_write_goes_to_the_first_of_the_updater_and_the_window_to_ask():
+    taken = device_update.SlotWrite(torch.empty(1), None)
+    assert taken.take() and not taken.drop() and taken.take()
+    dropped = device_update.SlotWrite(torch.empty(1), None)
+    assert dropped.drop() and not dropped.take()
 
 
 def test_an_fp32_run_keeps_its_updates_on_the_cpu(monkeypatch):
