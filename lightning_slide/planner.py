@@ -10,6 +10,7 @@ micro-batch and sequence length, which only the first batch tells.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -237,10 +238,17 @@ class Plan:
 
     def check(self, resources: Resources) -> None:
         """Raise PlanError naming the first pool that overflows: needed, available, and what to change."""
+        for pool, locations, needed, free in self._overflows(resources):
+            raise PlanError(self._refusal(pool, locations, needed, free, resources))
+
+    def fits(self, resources: Resources) -> bool:
+        return not any(self._overflows(resources))
+
+    def _overflows(self, resources: Resources) -> Iterator[tuple[str, tuple[str, ...], int, int]]:
         for pool, locations in _POOLS.items():
             needed, free = self.total(*locations), resources.free(pool)
             if free is not None and needed > free:
-                raise PlanError(self._refusal(pool, locations, needed, free, resources))
+                yield pool, locations, needed, free
 
     def _refusal(self, pool: str, locations: tuple[str, ...], needed: int, free: int, resources: Resources) -> str:
         items = sorted((e for e in self.entries if e.where in locations), key=lambda e: -e.bytes)
@@ -499,19 +507,22 @@ def check_batch(needs: Plan, static: Plan, shape: ModelShape, setup: Setup, micr
 
 
 def resolve_mlp_tiles(static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
-                      resources: Resources, gpu_free: int | None) -> Setup:
+                      resources: Resources, gpu_free: int | None) -> tuple[Setup, Plan]:
     """`mlp_tile_tokens="auto"` on CUDA decided for one micro-batch: untiled where the micro-batch's plan fits
     untiled (a tiled MLP runs its gate and up projections once more in the backward: about an eighth more of a
-    block's compute), else in the tiles `tiled_mlp.tile_for` picks. Any other setting stands as given."""
+    block's compute), else in equal tiles (`tiled_mlp.even_tiles`). Any other setting stands as given. Returns the
+    setup the micro-batch runs with and its plan."""
     if setup.config.mlp_tiling(setup.device) != "auto":
-        return setup
+        return setup, static.batch(shape, setup, micro_batch, seq_len, gpu_free)
+    from lightning_slide.ops.tiled_mlp import even_tiles  # imports triton: only where MLPs may be tiled
+
     untiled = replace(setup, config=replace(setup.config, mlp_tile_tokens=None))
-    try:
-        static.batch(shape, untiled, micro_batch, seq_len, gpu_free).check(resources)
-        return untiled
-    except PlanError:
-        tile = _mlp_tile(shape, setup, micro_batch * seq_len)
-    return setup if tile is None else replace(setup, config=replace(setup.config, mlp_tile_tokens=tile[0]))
+    needs = static.batch(shape, untiled, micro_batch, seq_len, gpu_free)
+    tile = even_tiles(micro_batch * seq_len, shape.intermediate, setup.compute_bytes)
+    if tile is None or needs.fits(resources):
+        return untiled, needs
+    tiled = replace(setup, config=replace(setup.config, mlp_tile_tokens=tile))
+    return tiled, static.batch(shape, tiled, micro_batch, seq_len, gpu_free)
 
 
 def longest_seq_len(static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, resources: Resources,

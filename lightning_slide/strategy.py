@@ -266,18 +266,17 @@ class SlideStrategy(SingleDeviceStrategy):
         self._checked_tokens = tokens[0] * tokens[1]
         resources = Resources.probe(self.root_device)
         gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
-        tiled = resolve_mlp_tiles(self.plan, shape, setup, *tokens, resources, gpu_free)
+        runs, needs = resolve_mlp_tiles(self.plan, shape, setup, *tokens, resources, gpu_free)
         decided = ""
-        if tiled is not setup:  # "auto", decided for this size
-            tiles = tiled.config.mlp_tile_tokens
+        if runs is not setup:  # "auto", decided for this size
+            tiles = runs.config.mlp_tile_tokens
             self.engine.tile_mlps(tiles)
             decided = f"\n  mlp_tile_tokens='auto': {'untiled' if tiles is None else f'tiles of {tiles} tokens'}"
-        needs = self.plan.batch(shape, tiled, *tokens, gpu_free)
         whole = Plan(self.plan.entries + needs.entries)
         peak = whole.peak_rss(replace(resources, process=self._process_bytes))
         rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe()
                        + f"\n  expected peak host RSS of the run: {peak / 2**30:.2f} GiB" + decided)
-        check_batch(needs, self.plan, shape, tiled, *tokens, resources, gpu_free)
+        check_batch(needs, self.plan, shape, runs, *tokens, resources, gpu_free)
 
     # ------------------------------------------------------------------------------------ checkpoints
     @property

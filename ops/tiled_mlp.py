@@ -56,11 +56,16 @@ def tile_for(setting: TileSetting, tokens: int, intermediate: int, itemsize: int
         return None
     if setting != "auto":
         return setting if tokens > setting else None
-    row = intermediate * itemsize
-    if tokens * row <= UNTILED_MIB * MiB:
+    if tokens * intermediate * itemsize <= UNTILED_MIB * MiB:
         return None
-    tiles = -(-tokens // max(1, int(TILE_MIB * MiB // row)))
-    return -(-tokens // tiles)
+    return even_tiles(tokens, intermediate, itemsize)
+
+
+def even_tiles(tokens: int, intermediate: int, itemsize: int) -> int | None:
+    """Tokens per tile in equal tiles of at most TILE_MIB per tokens x intermediate tensor; None where one tile
+    takes every token."""
+    tiles = -(-tokens // max(1, int(TILE_MIB * MiB // (intermediate * itemsize))))
+    return None if tiles == 1 else -(-tokens // tiles)
 
 
 def tile_bytes(tile: int, intermediate: int, itemsize: int) -> int:

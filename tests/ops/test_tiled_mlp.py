@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_slide import ops
-from lightning_slide.ops.tiled_mlp import TILE_MIB, UNTILED_MIB, tile_for, tiled_mlp, tiled_mlp_reference
+from lightning_slide.ops.tiled_mlp import TILE_MIB, UNTILED_MIB, even_tiles, tile_for, tiled_mlp, tiled_mlp_reference
 
 HIDDEN, INTERMEDIATE = 24, 40
 
@@ -100,6 +100,12 @@ def test_tile_sizes_follow_the_setting():
         last = tokens - (tiles - 1) * tile
         assert tile * row <= TILE_MIB * 2**20
         assert tile - tiles < last <= tile  # equal tiles, the last at most one token a tile short
+
+
+def test_even_tiles_split_only_what_one_tile_cannot_hold():
+    one = TILE_MIB * 2**20 // (14336 * 2)  # tokens of one tile at intermediate 14336 in bf16
+    assert even_tiles(one, 14336, 2) is None
+    assert even_tiles(one + 1, 14336, 2) == -(-(one + 1) // 2)
 
 
 def test_the_patch_handle_retiles_every_tiled_mlp_and_names_a_bad_setting():

@@ -402,13 +402,30 @@ def test_auto_tiling_leaves_a_micro_batch_untiled_where_its_plan_fits_so_and_til
     shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"))
     static, resources = Plan.static(shape, setup), Resources(ram=400 * GiB, gpu=24 * GiB - 6 * GiB)
     gpu_free = resources.gpu + static.total("gpu")
-    decided = planner.resolve_mlp_tiles(static, shape, setup, micro_batch, seq_len, resources, gpu_free)
+    decided, needs = planner.resolve_mlp_tiles(static, shape, setup, micro_batch, seq_len, resources, gpu_free)
     tokens = micro_batch * seq_len
     assert decided.config.mlp_tile_tokens == (tile_for("auto", tokens, 14336, 2) if tiled else None)
     assert tile_for("auto", tokens, 14336, 2) is not None  # the 1 GiB rule alone would tile both
-    static.batch(shape, decided, micro_batch, seq_len, gpu_free).check(resources)
+    assert needs.entries == static.batch(shape, decided, micro_batch, seq_len, gpu_free).entries
+    needs.check(resources)
     fixed = Setup(SlideConfig(activations="cpu", mlp_tile_tokens=4096))
-    assert planner.resolve_mlp_tiles(static, shape, fixed, micro_batch, seq_len, resources, gpu_free) is fixed
+    assert planner.resolve_mlp_tiles(static, shape, fixed, micro_batch, seq_len, resources, gpu_free)[0] is fixed
+
+
+def test_auto_tiling_tiles_a_micro_batch_below_the_one_gib_rule_where_only_tiles_fit():
+    """8B at 32,768 tokens (one tokens x intermediate tensor: 0.88 GiB) with less VRAM than it needs untiled."""
+    from lightning_slide.ops.tiled_mlp import even_tiles, tile_for
+
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"))
+    static = Plan.static(shape, setup)
+    untiled, tiled = (static.batch(shape, Setup(SlideConfig(activations="cpu", mlp_tile_tokens=t)), 1, 32768, None)
+                      for t in (None, even_tiles(32768, 14336, 2)))
+    gpu = static.total("gpu") + (untiled.total("gpu") + tiled.total("gpu")) // 2  # between the two
+    resources = Resources(ram=400 * GiB, gpu=gpu - static.total("gpu"))
+    decided, needs = planner.resolve_mlp_tiles(static, shape, setup, 1, 32768, resources, gpu)
+    assert tile_for("auto", 32768, 14336, 2) is None  # the 1 GiB rule alone would leave it untiled
+    assert decided.config.mlp_tile_tokens == even_tiles(32768, 14336, 2) is not None
+    needs.check(resources)
 
 
 def test_on_the_cpu_auto_leaves_mlps_untiled_and_a_number_tiles_them():
