@@ -88,7 +88,8 @@ class Case:
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
               "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}",
-              "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}"}
+              "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}",
+              "gpu_update_blocks": "gpuadam-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -332,6 +333,10 @@ SUITES: dict[str, list[Case]] = {
     "ladders": _ladders(),
     "long": _long(),
     "tiling": _tiling(),
+    # fp32 blocks updated on the GPU instead of the CPU, where the CPU update bounds the step, beside the probe
+    "gpu_updates": [_probe()] + [
+        make("slide", "llama3_8b", 8, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
+        for blocks in (0, 8, 14, 20)],
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])

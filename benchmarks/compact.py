@@ -230,7 +230,7 @@ def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW,
         updater = None if device is None else DeviceUpdater(device, moments.codecs, storage.trainable_numel,
                                                             LayerAdam.widen_elems(storage.trainable_numel, precision))
         if updater is not None:
-            updater.pin([storage], set())
+            updater.serve([storage], {storage.index})
         adam = LayerAdam([storage], moments, Failure(None), updater)
     finally:
         layer_adam.SCRATCH_ELEMS = pieces

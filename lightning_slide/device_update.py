@@ -11,11 +11,16 @@ The arithmetic is `layer_adam.adam_pieces`, the CPU path's own, on device tensor
 integer and IEEE operations, so given the same inputs they give the same bits on either device; bf16 rounding
 draws its noise exactly as the CPU path's pieces do (`noise_for`). The fused AdamW call is torch's CUDA kernel.
 Units whose moments are on disk keep the CPU path (their chunks come and go through the disk tier's buffers).
+
+With fp32 moments the same path can take some decoder blocks' updates (`gpu_update_blocks`) off a CPU that bounds
+the step: 24 bytes per parameter of PCIe (master and moments, up and back) instead of the CPU update's host-memory
+traffic and compute.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +63,19 @@ class SlotWrite:
             return self._state == "dropped"
 
 
-def compact_updates_on(device: torch.device) -> torch.device | None:
-    """Where a run computing on `device` updates compact moments: the GPU itself, or the CPU pool (None)."""
+def gpu_updates_on(device: torch.device) -> torch.device | None:
+    """Where a run computing on `device` can update on the GPU: the GPU itself, or nowhere (None)."""
     return device if device.type == "cuda" else None
+
+
+def gpu_updated_units(precision: str, gpu_update_blocks: int, dedicated: Sequence[bool],
+                      on_disk: Collection[int]) -> list[int]:
+    """The units whose updates run on the GPU (where there is one): with compact moments every unit whose
+    moments are in RAM; with fp32 ones the first `gpu_update_blocks` decoder blocks in RAM."""
+    in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
+    if precision != "fp32":
+        return in_ram
+    return [u for u in in_ram if not dedicated[u]][:gpu_update_blocks]
 
 
 def chunk_elems(largest_trainable: int, piece: int) -> int:
@@ -94,7 +109,7 @@ class _Buffers:
 
     @staticmethod
     def bytes_for(n: int, precision: str) -> int:
-        stored = {"int8": 1, "bf16": 2}[precision]
+        stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
         work = 2 * 4 * n if precision == "int8" else 0
         noise = (2 + 3) * 4 * n if precision == "bf16" else 0
@@ -102,7 +117,7 @@ class _Buffers:
 
 
 class DeviceUpdater:
-    """Runs a unit's AdamW over compact moments on `device` (`run`); pins the RAM moments it copies (`pin`)."""
+    """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
                  piece: int) -> None:
@@ -112,6 +127,7 @@ class DeviceUpdater:
         self.sets = [_Buffers(self.chunk, codecs, device, piece) for _ in range(SETS)]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
+        self.units: set[int] = set()  # the units whose updates run here (`serve`)
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
         if device.type == "cuda":  # the buffers' index rows were made on this thread's stream, not the lanes'
             torch.cuda.synchronize(device)
@@ -122,12 +138,14 @@ class DeviceUpdater:
         table = 4 * (NOISE_PERIOD + piece) if precision == "bf16" else 0
         return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision) + table
 
-    def pin(self, storages: list[UnitStorage], on_disk: set[int]) -> None:
-        """Page-lock the RAM units' moments in place, so that their copies run asynchronously (CUDA only)."""
+    def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
+        """Take the updates of `units` (RAM moments): their moments are page-locked in place, so that their
+        copies run asynchronously (CUDA only)."""
+        self.units = set(units)
         if self.device.type != "cuda":
             return
         for s in storages:
-            if s.trainable_numel and s.index not in on_disk:
+            if s.trainable_numel and s.index in self.units:
                 for packed in (s.exp_avg, s.exp_avg_sq):
                     for t in (packed.values, packed.scales):
                         if t is not None and pin_(t):

@@ -30,7 +30,7 @@ from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.available import available_vram
 from lightning_slide.config import SlideConfig
-from lightning_slide.device_update import DeviceUpdater, compact_updates_on
+from lightning_slide.device_update import DeviceUpdater, gpu_updated_units, gpu_updates_on
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import GraphBudget
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
@@ -136,14 +136,17 @@ class SlideEngine:
                              config.block_grad_buffers)
 
     def _device_updater(self) -> DeviceUpdater | None:
-        """Compact moments of a training run are updated on the GPU where there is one (`device_update`)."""
-        on = compact_updates_on(self.device)
-        if self.optimizer is None or self.config.moment_precision == "fp32" or on is None:
+        """The GPU takes a training run's compact updates, and those of `gpu_update_blocks` fp32 blocks, where
+        there is one (`device_update`)."""
+        on, config = gpu_updates_on(self.device), self.config
+        units = gpu_updated_units(config.moment_precision, config.gpu_update_blocks, self._dedicated,
+                                  self.moments.on_disk)
+        if self.optimizer is None or on is None or not units:
             return None
-        largest = max(s.trainable_numel for s in self.storages)
+        largest = max(self.storages[u].trainable_numel for u in units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
-                                LayerAdam.widen_elems(largest, self.config.moment_precision))
-        updater.pin(self.storages, self.moments.on_disk)
+                                LayerAdam.widen_elems(largest, config.moment_precision))
+        updater.serve(self.storages, units)
         return updater
 
     def _chunk_elems(self) -> int:

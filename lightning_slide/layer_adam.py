@@ -308,8 +308,8 @@ class LayerAdam:
         self.worker.put(item)
 
     def updates_on_device(self, unit: int) -> bool:
-        """The unit's update runs on the GPU: compact moments in RAM, with a device updater."""
-        return self.on_device is not None and unit not in self.moments.on_disk
+        """The unit's update runs on the GPU (`device_update.gpu_updated_units`)."""
+        return self.on_device is not None and unit in self.on_device.units
 
     def ready(self, unit: int) -> bool:
         """Every update launched for `unit` is applied: loading it now would not wait."""

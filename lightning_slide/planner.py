@@ -28,7 +28,7 @@ from lightning_slide.available import (
     process_rss,
 )
 from lightning_slide.config import SlideConfig
-from lightning_slide.device_update import SETS, DeviceUpdater, compact_updates_on
+from lightning_slide.device_update import SETS, DeviceUpdater, gpu_updated_units, gpu_updates_on
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
 from lightning_slide.layer_adam import LayerAdam
@@ -286,21 +286,27 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
                  else "offload='nvme' with nvme_moments > 0 to keep part of it on disk")
     if precision != "int8":
         more_disk += ", or moment_precision='int8' (2 B/param instead of 8, bf16: 4)"
-    on_device = setup.training and precision != "fp32" and compact_updates_on(torch.device(setup.device)) is not None
+    served = _gpu_updated(shape, setup, disk)
+    locked = sum(moment_bytes(precision, shape.units[u].trainable) for u in served)  # page-locked for the GPU
+    all_locked = bool(served) and locked == in_ram
     entries = [
         Entry("fp32 master weights", setup.pinned, UnitStorage.bytes_for("master", n - master_on_disk),
               "offload='nvme' with nvme_master=True and a larger nvme_moments" if setup.training else ""),
-        Entry(f"Adam exp_avg + exp_avg_sq ({precision})", setup.pinned if on_device else "ram",
-              in_ram if setup.training else 0, more_disk),
+        Entry(f"Adam exp_avg + exp_avg_sq ({precision})", setup.pinned if all_locked else "ram",
+              (in_ram if all_locked else in_ram - locked) if setup.training else 0, more_disk),
     ]
+    if locked and not all_locked:
+        entries.append(Entry(f"Adam exp_avg + exp_avg_sq ({precision}) of the {len(served)} blocks updated on the "
+                             "GPU", setup.pinned, locked, "a smaller gpu_update_blocks"))
     if setup.training and precision != "fp32":
         largest = max(u.trainable for u in shape.units)
         what = f"{precision} moments' fp32 update scratch" + (" + rounding table" if precision == "bf16" else "")
         entries.append(Entry(what, "ram", LayerAdam.scratch_bytes(largest, precision) + table_bytes(precision)))
-        if on_device:
-            piece = LayerAdam.widen_elems(largest, precision)
-            entries.append(Entry(f"{precision} moments' update buffers ({SETS} chunks)", "gpu",
-                                 DeviceUpdater.bytes_for(largest, piece, precision)))
+    if served:
+        largest = max(shape.units[u].trainable for u in served)
+        piece = LayerAdam.widen_elems(largest, precision)
+        entries.append(Entry(f"{precision} moments' update buffers ({SETS} chunks)", "gpu",
+                             DeviceUpdater.bytes_for(largest, piece, precision)))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
     if setup.training and setup.mode.sums:
@@ -333,6 +339,14 @@ def _disk_state(shape: ModelShape, setup: Setup, on_disk: list[UnitSize], with_m
 
 def _gradient_chunk(shape: ModelShape, setup: Setup) -> int:
     return gradient_chunk(setup.config.chunk_elems, [u.trainable for u in shape.units])
+
+
+def _gpu_updated(shape: ModelShape, setup: Setup, on_disk: list[int]) -> list[int]:
+    """The units whose updates the engine runs on the GPU (`device_update.gpu_updated_units`)."""
+    if not setup.training or gpu_updates_on(torch.device(setup.device)) is None:
+        return []
+    return gpu_updated_units(setup.config.moment_precision, setup.config.gpu_update_blocks,
+                             [u.dedicated for u in shape.units], on_disk)
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:

@@ -49,10 +49,22 @@ def test_compact_moments_updated_on_the_gpu_train_as_the_cpu_pool_within_adamws_
     runs = []
     for on_gpu in (True, False):
         if not on_gpu:
-            monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: None)
+            monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: None)
         runs.append(fit(model, batches, SlideStrategy(use_kernels=False, moment_precision=precision), STEPS,
                         clip=clip, accelerator="gpu"))
     assert relative_difference(runs[1].model, runs[0].model) <= 1e-5
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
+def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip):
+    """Two of the tiny model's blocks updated on the GPU, writing their new weights into their slots."""
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS, clip=clip, device="cuda")
+    got = fit(model, batches, SlideStrategy(use_kernels=False, gpu_update_blocks=2), STEPS, clip=clip,
+              accelerator="gpu")
+    assert relative_difference(expected, got.model) <= 1e-5
 
 
 @pytest.mark.parametrize("rows, activations", [(2, "auto"), (32, "cpu")], ids=["own-buffers", "saved-input-buffers"])
@@ -274,8 +286,9 @@ def test_compact_moments_updated_on_the_gpu_equal_decode_then_torch_cuda_adamw_t
     cpu_adam.worker.stop()
     cpu_adam.close()
     moments = cpu_adam.moments
-    adam = LayerAdam([storage], moments, Failure(None),
-                     DeviceUpdater(torch.device("cuda"), moments.codecs, storage.trainable_numel, 1024))
+    updater = DeviceUpdater(torch.device("cuda"), moments.codecs, storage.trainable_numel, 1024)
+    updater.serve([storage], {storage.index})
+    adam = LayerAdam([storage], moments, Failure(None), updater)
     grad = torch.randn(storage.trainable_numel, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     master, moments_after = compact._reference_step(storage, optimizer, grad.float(), precision, step=4, device="cuda")
     plan = snapshot(optimizer, 4, None)

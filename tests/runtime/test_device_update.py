@@ -11,12 +11,13 @@ from lightning_slide import SlideConfig, SlideEngine, StepMode
 from tests.runtime.helpers import engine_steps, param_groups, tiny_model, token_batches
 
 
-def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch, slots: int | str = "auto") -> SlideEngine:
-    monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: device if on_device else None)
+def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch, slots: int | str = "auto",
+           gpu_update_blocks: int = 0) -> SlideEngine:
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device if on_device else None)
     model = tiny_model("llama")
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
-    engine = SlideEngine(model, optimizer, SlideConfig(moment_precision=precision, slots=slots),
-                         torch.device("cpu"), torch.float32, mode)
+    config = SlideConfig(moment_precision=precision, slots=slots, gpu_update_blocks=gpu_update_blocks)
+    engine = SlideEngine(model, optimizer, config, torch.device("cpu"), torch.float32, mode)
     assert (engine.adam.on_device is not None) == on_device
     engine_steps(engine, model, token_batches(3))
     return engine
@@ -72,8 +73,19 @@ def test_a_slot_write_goes_to_the_first_of_the_updater_and_the_window_to_ask():
     assert dropped.drop() and not dropped.take()
 
 
+@pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
+def test_fp32_blocks_updated_on_the_device_train_bit_for_bit_as_on_the_cpu(mode, monkeypatch):
+    """The first two decoder blocks (units 1 and 2 after the embedding) go to the device, the rest stay."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    cpu = _train("fp32", mode, False, monkeypatch)
+    device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks=2)
+    assert device.adam.on_device.units == {1, 2}
+    _assert_same_state(cpu, device)
+    cpu.close(), device.close()
+
+
 def test_an_fp32_run_keeps_its_updates_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(engine_module, "compact_updates_on", lambda device: device)
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"),
                          torch.float32)
@@ -103,6 +115,22 @@ def test_a_chunks_bf16_noise_is_what_the_cpu_pieces_draw_also_across_the_tables_
         position = noise_position(7, 3, k, start)
         want = torch.cat([codecs[0].noise[(position + a) % NOISE_PERIOD:][:piece] for a in range(0, n, piece)])
         assert torch.equal(got[k * n : (k + 1) * n], want)
+
+
+def test_the_plan_pins_the_moments_of_fp32_blocks_updated_on_the_gpu_and_counts_their_buffers():
+    from transformers import LlamaConfig
+
+    from lightning_slide.planner import ModelShape, Plan, Setup
+    from tests.runtime.test_planner import LLAMA_8B
+
+    shape = ModelShape.from_config(LlamaConfig(**LLAMA_8B))
+    block = shape.units[1].trainable
+    entries = {e.what: e for e in Plan.static(shape, Setup(SlideConfig(gpu_update_blocks=4), device="cuda")).entries}
+    locked = entries["Adam exp_avg + exp_avg_sq (fp32) of the 4 blocks updated on the GPU"]
+    assert locked.where == "pinned" and locked.bytes == 4 * 8 * block
+    assert entries["Adam exp_avg + exp_avg_sq (fp32)"].bytes == 8 * shape.trainable - locked.bytes
+    assert entries["fp32 moments' update buffers (2 chunks)"].bytes == device_update.DeviceUpdater.bytes_for(
+        block, 1 << 22, "fp32")
 
 
 def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_run_there():
