@@ -337,6 +337,10 @@ SUITES: dict[str, list[Case]] = {
     "gpu_updates": [_probe()] + [
         make("slide", "llama3_8b", 8, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
         for blocks in (0, 8, 14, 20)],
+    # the step boundary at 64 x 1024 tokens: the first blocks' updates, the last of the backward, on the GPU
+    # take them out of the CPU backlog ahead of the embedding's
+    "boundary": [make("slide", "llama3_8b", 64, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
+                 for blocks in (0, 4)],
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])
