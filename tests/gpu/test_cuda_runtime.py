@@ -56,14 +56,19 @@ def test_compact_moments_updated_on_the_gpu_train_as_the_cpu_pool_within_adamws_
 
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
-def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip):
+def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip, monkeypatch):
     """Two of the tiny model's blocks updated on the GPU, writing their new weights into their slots."""
     from lightning_slide import SlideStrategy
+    from lightning_slide.device_update import DeviceUpdater
 
+    updated, run = [], DeviceUpdater.run
+    monkeypatch.setattr(DeviceUpdater, "run", lambda self, storage, *args: updated.append(storage.index) or run(
+        self, storage, *args))
     model, batches = tiny_model("llama"), token_batches(STEPS)
     expected = reference(model, batches, STEPS, clip=clip, device="cuda")
     got = fit(model, batches, SlideStrategy(use_kernels=False, gpu_update_blocks=2), STEPS, clip=clip,
               accelerator="gpu")
+    assert sorted(set(updated)) == [1, 2] and len(updated) == 2 * STEPS
     assert relative_difference(expected, got.model) <= 1e-5
 
 
