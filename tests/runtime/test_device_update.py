@@ -58,10 +58,15 @@ def test_updates_on_the_device_write_resident_weights_into_their_slots_instead_o
     pool.close(), device.close()
 
 
-def test_a_slot_taken_back_before_its_update_writes_there_keeps_the_update_off_it(monkeypatch):
-    """Two ring slots: the backward takes back slots whose blocks' updates have not started."""
+@pytest.mark.parametrize("slots", [2, 3])
+@pytest.mark.parametrize("precision, blocks", [("bf16", 0), ("fp32", 2)], ids=["bf16", "fp32-2-of-3-blocks"])
+@pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
+def test_slots_taken_back_before_their_updates_write_there_keep_the_updates_off_them(slots, precision, blocks,
+                                                                                    mode, monkeypatch):
+    """A ring smaller than the model: the backward takes back slots whose blocks' updates have not started."""
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
-    pool, device = (_train("bf16", StepMode(), on, monkeypatch, slots=2) for on in (False, True))
+    pool, device = (_train(precision, mode, on, monkeypatch, slots=slots, gpu_update_blocks=blocks)
+                    for on in (False, True))
     _assert_same_state(pool, device)
     pool.close(), device.close()
 
