@@ -457,8 +457,7 @@ class SlideEngine:
         self.moments.plan(units)
         for u in units:
             self.adam.schedule(u)
-            slot = self.window.claim(u) if self.adam.updates_on_device(u) else None
-            self.adam.put(DeferredUpdate(u, plan, holding.pop(u), slot))
+            self.adam.put(DeferredUpdate(u, plan, holding.pop(u), self.window.claim(u)))
 
     def _warn_nonfinite(self, norm: GlobalNorm) -> None:
         names = [self.storages[u].name for u in norm.nonfinite_units()]

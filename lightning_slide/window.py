@@ -38,7 +38,7 @@ class Slot:
         self.version = -1
         self.loaded = None  # h2d event: weights are in
         self.params_free = None  # compute event: the last reader of the weights has run
-        self.claim: tuple[int, SlotWrite] | None = None  # a unit whose update on the GPU writes its weights here
+        self.pending_write: tuple[int, SlotWrite] | None = None  # a unit whose GPU update writes its weights here
 
 
 class GradBuffer:
@@ -140,22 +140,24 @@ class Window:
         return slot
 
     def claim(self, unit: int) -> SlotWrite | None:
-        """The slot holding `unit`, for the unit's update on the GPU (already scheduled) to write the new weights
-        into: the slot holds that update's version from now on, and its next use waits for the writes."""
+        """The slot holding `unit`, for the unit's update (already scheduled) to write the new weights into where
+        that update runs on the GPU: the slot holds that update's version from now on, and its next use waits for
+        the writes. None where the update runs on the CPU or no slot holds the unit."""
         slot = self.holding(unit)
-        if slot is None or slot.unit != unit or slot.claim is not None:  # an earlier update's writes not yet settled
+        if (not self.adam.updates_on_device(unit) or slot is None or slot.unit != unit
+                or slot.pending_write is not None):  # an earlier update's writes not yet settled
             return None
         write = SlotWrite(slot.params[: self.storages[unit].trainable_numel], slot.params_free)
-        slot.version, slot.claim = self.adam.scheduled[unit], (unit, write)
+        slot.version, slot.pending_write = self.adam.scheduled[unit], (unit, write)
         return write
 
     def _settle(self, slot: Slot, unit: int | None) -> object:
         """Resolve the slot's claim before `unit` (None: nothing) uses it: for the claiming unit, or where the
         updater writes already, wait until the update is queued and return the event after its writes (the slot's
         weights are in after it); else take the slot back, and the update leaves it alone."""
-        if slot.claim is None:
+        if slot.pending_write is None:
             return None
-        (owner, write), slot.claim = slot.claim, None
+        (owner, write), slot.pending_write = slot.pending_write, None
         if owner != unit and write.drop():
             slot.version = -1  # the claiming unit's new weights will not be here
             return None
