@@ -78,6 +78,16 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int, dedicated: Sequenc
     return [u for u in in_ram if not dedicated[u]][:gpu_update_blocks]
 
 
+def _int8_kernels_apply(t: torch.Tensor) -> bool:
+    """8-bit moments are decoded and encoded by `ops.int8_codes` for tensors like `t` (CUDA, or the CPU under
+    Triton's interpreter), else by the codec's torch ops."""
+    try:
+        from lightning_slide.ops.int8_codes import applies
+    except ImportError:  # no triton
+        return False
+    return applies(t)
+
+
 def chunk_elems(largest_trainable: int, piece: int) -> int:
     """A buffer set's elements: a whole number of the CPU path's pieces (so bf16 noise lines up), at most
     CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs."""
@@ -120,12 +130,16 @@ class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
-                 piece: int) -> None:
+                 piece: int, int8_kernels: bool | None = None) -> None:
+        """`int8_kernels`: 8-bit moments decoded and encoded by `ops.int8_codes` (None: wherever those run) or by
+        the codec's torch ops (a pass over the chunk per op)."""
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece)
         self.lanes = [Lane(device, side=True) for _ in range(SETS)]
         self.sets = [_Buffers(self.chunk, codecs, device, piece) for _ in range(SETS)]
         self.table = codecs[0].noise.to(device)
+        self.int8_kernels = codecs[0].precision == "int8" and (
+            _int8_kernels_apply(self.sets[0].master) if int8_kernels is None else int8_kernels)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
@@ -201,11 +215,22 @@ class DeviceUpdater:
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
         noise = self.noise_for(room, plan.step, storage.index, start, n)
         hyper, flags, bounds = groups
-        scripted(adam_pieces)(
-            0, 1, max(n, 1), start, grad, gm, self.codecs[0].precision, values, scales,
-            [c.shift for c in self.codecs], noise, [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits,
-            room.work, room.work_f, room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device),
-            bounds, hyper, flags, None, step, grad_scale, None)
+        shifts, precision = [c.shift for c in self.codecs], self.codecs[0].precision
+        wide = room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device)
+        if self.int8_kernels:  # the moments decoded and encoded in one pass each; AdamW between, on fp32 moments
+            from lightning_slide.ops.int8_codes import decode_int8, encode_int8
+
+            fp32 = [decode_int8(v, sc, o, k == 0, shifts[k], BLOCK)
+                    for k, (v, sc, o) in enumerate(zip(values, scales, room.out))]
+            scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, "fp32", fp32, [None, None], shifts, noise,
+                                  [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide,
+                                  bounds, hyper, flags, None, step, grad_scale, None)
+            for k, (x, v, sc) in enumerate(zip(fp32, values, scales)):
+                encode_int8(x, v, sc, k == 0, shifts[k], BLOCK)
+        else:
+            scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, precision, values, scales, shifts, noise,
+                                  [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide,
+                                  bounds, hyper, flags, None, step, grad_scale, None)
         master.copy_(gm, non_blocking=True)
         if weights is not None:
             weights.copy_(gm)  # the cast a load of the fp32 master makes

@@ -141,7 +141,9 @@ def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: 
         return
     assert scales is not None
     full = n // block
-    magnitudes = torch.abs(x, out=work_f[:n]) if signed else x.sqrt_()  # the root of exp_avg_sq is its magnitude
+    # exp_avg_sq's magnitude is its root, rounded to nearest as IEEE (and CUDA) round it: torch's fp32 sqrt on the
+    # CPU misses by an ulp for about one element in six
+    magnitudes = torch.abs(x, out=work_f[:n]) if signed else x.copy_(x.double().sqrt_())
     torch.amax(magnitudes[: full * block].view(-1, block), dim=[1], out=scales[:full])
     x[: full * block].view(-1, block).div_(scales[:full].clamp(min=1.1754943508222875e-38).unsqueeze(1))
     if n % block:

@@ -179,3 +179,22 @@ def test_tiled_mlp_transient_memory_is_three_tiles_whatever_the_length():
     out = x.numel() * 2  # the output, alive until the backward has read it
     transient = torch.cuda.max_memory_allocated() - base - kept - out
     assert transient <= tile_bytes(tile, 14336, 2) + 64 * 2**20, f"{transient / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("moment", [0, 1], ids=["exp_avg", "exp_avg_sq"])
+def test_int8_codes_compiled_give_the_codecs_bits_over_a_device_updater_chunk(moment):
+    """8M elements (the GPU updater's chunk) and a partial block, compiled: no contraction, no flushed subnormal."""
+    from lightning_slide.moment_codec import BLOCK, Int8Codec, decode_piece
+    from lightning_slide.ops.int8_codes import decode_int8
+    from tests.ops.test_int8_codes import _encode, _encode_reference, _moment
+
+    x = _moment(moment, (1 << 23) + 37, "cuda")
+    codes, scales = _encode(x, moment)
+    expected_codes, expected_scales = _encode_reference(x, moment)
+    assert torch.equal(codes, expected_codes)
+    assert torch.equal(scales.view(torch.int32), expected_scales.view(torch.int32))
+    out, expected = torch.empty_like(x), torch.empty_like(x)
+    decode_int8(codes, scales, out, moment == 0, Int8Codec(moment).shift, BLOCK)
+    decode_piece("int8", codes, scales, expected, expected.view(torch.int32), moment == 0, Int8Codec(moment).shift,
+                 BLOCK)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))

@@ -47,7 +47,7 @@ def reference_quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
     """Blockwise 8-bit as the paper states it, with the float codes: per block, scale by the absmax and take the
     nearest code (its sign, and the nearest magnitude, the even one at a tie; exp_avg_sq as its square root)."""
     grid = magnitudes(signed)
-    x = x if signed else x.sqrt()
+    x = x if signed else x.double().sqrt().float()  # the root rounded to nearest (IEEE; torch's fp32 CPU sqrt is not)
     codes, scales = [], []
     for block in x.split(BLOCK):
         scale = block.abs().max()

@@ -1,0 +1,94 @@
+"""Blockwise dynamic 8-bit codes of Adam moments, decoded to fp32 and encoded back in one pass each.
+
+The code is defined by `lightning_slide.moment_codec` (`Int8Codec`, `decode_piece`, `encode_piece`): per block of
+`BLOCK` elements an fp32 absmax scale, per element an 8-bit float code of the element over its scale (exp_avg
+signed, the square root of exp_avg_sq not), found on its fp32 bits. There it is some twenty torch ops, each a pass
+over the piece: counting each op's reads and writes, about 350 bytes of device-memory traffic per element of a
+moment update on the GPU. Here decoding reads a code and its scale and writes the fp32 value (5 bytes), encoding
+the reverse, with the same integer and IEEE operations (division and square root rounded to nearest, no fused
+multiply-add, no flush of subnormals), so both give the codec's bits exactly; the tests hold them equal, edge cases
+included (ties, subnormals, zero and non-finite blocks, a partial last block).
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._triton import Kernel, triton_interprets, use_triton
+
+ROWS = 16  # blocks of BLOCK elements per program
+TWO_POW_112 = 5.192296858534828e33  # rebias of a code's bits shifted into an fp32 (see moment_codec._int8_values)
+TWO_POW_M112 = 1.925929944387236e-34
+FLT_MIN = 1.1754943508222875e-38  # the smallest normal fp32: a zero block's scale divides as this
+
+
+def _decode(CODES, SCALES, OUT, n, SIGNED: tl.constexpr, SHIFT: tl.constexpr, KEEP: tl.constexpr,
+            BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * (ROWS * BLOCK) + tl.arange(0, ROWS * BLOCK)
+    mask = offs < n
+    bits = tl.load(CODES + offs, mask=mask, other=0).to(tl.int32)
+    # signed: the sign to bit 31, the rest down to SHIFT by an arithmetic shift, then the sign's copies cleared
+    bits = ((bits << 24) >> (24 - SHIFT)) & KEEP if SIGNED else bits << SHIFT
+    x = bits.to(tl.float32, bitcast=True) * TWO_POW_112
+    x = x * tl.load(SCALES + offs // BLOCK, mask=mask, other=0.0)
+    if not SIGNED:
+        x = x * x
+    tl.store(OUT + offs, x, mask=mask)
+
+
+def _encode(X, CODES, SCALES, n, SIGNED: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+            ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if not SIGNED:  # the root of exp_avg_sq is its own magnitude
+        x = tl.sqrt_rn(x)
+    scale = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), scale)  # amax propagates NaN
+    tl.store(SCALES + rows, scale, mask=rows * BLOCK < n)
+    y = tl.math.div_rn(x, tl.where(scale < FLT_MIN, FLT_MIN, scale)[:, None]) * TWO_POW_M112
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF if SIGNED else bits
+    odd = (magnitude >> SHIFT) & 1  # round to the code's mantissa, ties to even
+    magnitude = (magnitude + odd + ((1 << (SHIFT - 1)) - 1)) >> SHIFT
+    if SIGNED:
+        magnitude = magnitude | ((bits >> 24) & 0x80)
+    tl.store(CODES + offs, magnitude.to(tl.uint8), mask=mask)
+
+
+_decode_kernel = Kernel(_decode)
+_encode_kernel = Kernel(_encode)
+
+
+def _options() -> dict:
+    """Compiled: IEEE arithmetic as torch's kernels do it (no a * b + c contracted to one rounding, subnormals
+    kept). The interpreter computes in numpy, which is IEEE already, and takes no options."""
+    return {} if triton_interprets() else {"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+def _grid(n: int, block: int) -> tuple[int]:
+    return (-(-n // (ROWS * block)),)
+
+
+def applies(t: torch.Tensor) -> bool:
+    """The kernels run for these tensors (CUDA, or the CPU under Triton's interpreter)."""
+    return use_triton(t)
+
+
+def decode_int8(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, signed: bool, shift: int,
+                block: int) -> torch.Tensor:
+    """`out[:n]` = the moment that `codes` (uint8, n) and `scales` (fp32, one per `block` elements) hold."""
+    n = codes.numel()
+    keep = -(1 << 31) + (1 << (7 + shift)) - 1
+    _decode_kernel[_grid(n, block)](codes, scales, out, n, SIGNED=signed, SHIFT=shift, KEEP=keep, BLOCK=block,
+                                    ROWS=ROWS, **_options())
+    return out[:n]
+
+
+def encode_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool, shift: int,
+                block: int) -> None:
+    """Store fp32 `x` (n) as `codes` (uint8, n) and `scales` (one per `block` elements); `x` is left as it was."""
+    n = x.numel()
+    _encode_kernel[_grid(n, block)](x, codes, scales, n, SIGNED=signed, SHIFT=shift, BLOCK=block, ROWS=ROWS,
+                                    **_options())

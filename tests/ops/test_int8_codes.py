@@ -1,0 +1,71 @@
+"""The 8-bit moment codes' kernels give the codec's torch ops' bits (`moment_codec.encode_piece`, `decode_piece`)."""
+import pytest
+import torch
+
+from lightning_slide.moment_codec import BLOCK, Int8Codec, decode_piece, encode_piece
+from lightning_slide.ops.int8_codes import decode_int8, encode_int8
+
+MOMENTS = [0, 1]
+IDS = ["exp_avg", "exp_avg_sq"]
+
+
+def _moment(moment: int, n: int, device: str) -> torch.Tensor:
+    """Magnitudes over 40 decades in random order (subnormals and blocks of very unequal elements included), ties
+    between codes (simple fractions of the block's absmax), a zero block, and a partial last block."""
+    g = torch.Generator().manual_seed(n + moment)
+    x = torch.randn(n, generator=g) * torch.logspace(-40, 2, n)[torch.randperm(n, generator=g)]
+    x[:BLOCK] = torch.arange(BLOCK) / 64.0 - 2.0  # multiples of 1/64 of the absmax: many ties
+    x[BLOCK : 2 * BLOCK] = 0.0
+    x[2 * BLOCK : 3 * BLOCK] *= 1e-38 / x[2 * BLOCK : 3 * BLOCK].abs().max()  # a block of subnormals only
+    return (x if moment == 0 else x.square()).to(device)
+
+
+def _encode_reference(x: torch.Tensor, moment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codec, n, x = Int8Codec(moment), x.numel(), x.clone()
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(-(-n // BLOCK), device=x.device)
+    work = torch.empty(2, n, dtype=torch.int32, device=x.device)
+    encode_piece("int8", x, x.view(torch.int32), codes, scales, work, work[0].view(torch.float32), moment == 0,
+                 codec.shift, BLOCK, torch.empty(0, dtype=torch.int32), 0)
+    return codes, scales
+
+
+def _encode(x: torch.Tensor, moment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(-(-x.numel() // BLOCK), device=x.device)
+    encode_int8(x, codes, scales, moment == 0, Int8Codec(moment).shift, BLOCK)
+    return codes, scales
+
+
+@pytest.mark.parametrize("moment", MOMENTS, ids=IDS)
+@pytest.mark.parametrize("n", [7 * BLOCK, 40 * BLOCK + 37], ids=["whole-blocks", "partial-last-block"])
+def test_encoding_gives_the_codecs_codes_and_scales(moment, n, device):
+    x = _moment(moment, n, device)
+    before = x.clone()
+    codes, scales = _encode(x, moment)
+    expected_codes, expected_scales = _encode_reference(x, moment)
+    assert torch.equal(codes, expected_codes)
+    assert torch.equal(scales.view(torch.int32), expected_scales.view(torch.int32))
+    assert torch.equal(x, before)  # the input is left as it was
+
+
+@pytest.mark.parametrize("moment", MOMENTS, ids=IDS)
+def test_decoding_gives_the_codecs_values_bit_for_bit(moment, device):
+    n = 40 * BLOCK + 37
+    codes, scales = _encode_reference(_moment(moment, n, device), moment)
+    codes[:256] = torch.arange(256, dtype=torch.uint8, device=device)  # every code once
+    out, expected = torch.empty(n, device=device), torch.empty(n, device=device)
+    decode_int8(codes, scales, out, moment == 0, Int8Codec(moment).shift, BLOCK)
+    decode_piece("int8", codes, scales, expected, expected.view(torch.int32), moment == 0, Int8Codec(moment).shift,
+                 BLOCK)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("moment", MOMENTS, ids=IDS)
+def test_a_block_holding_a_nan_gets_a_nan_scale_as_amax_gives_it(moment, device):
+    x = _moment(moment, 3 * BLOCK, device)
+    x[BLOCK + 5] = float("nan")
+    codes, scales = _encode(x, moment)
+    expected_codes, expected_scales = _encode_reference(x, moment)
+    assert torch.isnan(scales[1]) and not torch.isnan(scales[[0, 2]]).any()
+    assert torch.equal(codes, expected_codes)
