@@ -218,7 +218,7 @@ def _plot(record: dict, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------- update
 def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW, grad: torch.Tensor, precision: str,
                  piece: int | None, threads: int | None, repeats: int, device: torch.device | None = None,
-                 int8_kernels: bool | None = None) -> dict:
+                 code_kernels: bool | None = None) -> dict:
     """Best and mean seconds of one unit's update (the first, warm-up, not counted); compact moments in pieces of
     `piece` elements over a pool of `threads` (fp32: one fused call with all intra-op threads), or on `device`
     (`device_update`: the master and moments copied up and back, the gradient already there)."""
@@ -230,7 +230,7 @@ def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW,
         moments = Moments([storage], {}, storage.trainable_numel, Failure(None), precision)
         updater = None if device is None else DeviceUpdater(device, moments.codecs, storage.trainable_numel,
                                                             LayerAdam.widen_elems(storage.trainable_numel, precision),
-                                                            int8_kernels)
+                                                            code_kernels)
         if updater is not None:
             updater.serve([storage], {storage.index})
         adam = LayerAdam([storage], moments, Failure(None), updater)
@@ -268,9 +268,9 @@ def update(args: argparse.Namespace) -> None:
         results.append({"precision": precision, "piece_elems": piece, "pool_threads": threads,
                         **_time_update(params, optimizer, grad, precision, piece, threads, args.repeats)})
         print(json.dumps(results[-1]), flush=True)
-    if torch.cuda.is_available():  # 8-bit moments coded by ops.int8_codes, and by the codec's torch ops
-        for precision, kernels in [("bf16", False), ("int8", True), ("int8", False)]:
-            results.append({"precision": precision, "on": "cuda", "int8_kernels": kernels, **_time_update(
+    if torch.cuda.is_available():  # compact moments coded by ops.moment_codes, and by the codec's torch ops
+        for precision, kernels in [(p, k) for p in PRECISIONS[1:] for k in (True, False)]:
+            results.append({"precision": precision, "on": "cuda", "code_kernels": kernels, **_time_update(
                 params, optimizer, grad.to(torch.bfloat16), precision, None, None, args.repeats,
                 torch.device("cuda"), kernels)})
             print(json.dumps(results[-1]), flush=True)

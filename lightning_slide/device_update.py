@@ -78,11 +78,11 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int, dedicated: Sequenc
     return [u for u in in_ram if not dedicated[u]][:gpu_update_blocks]
 
 
-def _int8_kernels_apply(t: torch.Tensor) -> bool:
-    """8-bit moments are decoded and encoded by `ops.int8_codes` for tensors like `t` (CUDA, or the CPU under
+def _code_kernels_apply(t: torch.Tensor) -> bool:
+    """Compact moments are decoded and encoded by `ops.moment_codes` for tensors like `t` (CUDA, or the CPU under
     Triton's interpreter), else by the codec's torch ops."""
     try:
-        from lightning_slide.ops.int8_codes import applies
+        from lightning_slide.ops.moment_codes import applies
     except ImportError:  # no triton
         return False
     return applies(t)
@@ -130,16 +130,16 @@ class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
-                 piece: int, int8_kernels: bool | None = None) -> None:
-        """`int8_kernels`: 8-bit moments decoded and encoded by `ops.int8_codes` (None: wherever those run) or by
-        the codec's torch ops (a pass over the chunk per op)."""
+                 piece: int, code_kernels: bool | None = None) -> None:
+        """`code_kernels`: compact moments decoded and encoded by `ops.moment_codes` (None: wherever those run) or
+        by the codec's torch ops (a pass over the chunk per op)."""
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece)
         self.lanes = [Lane(device, side=True) for _ in range(SETS)]
         self.sets = [_Buffers(self.chunk, codecs, device, piece) for _ in range(SETS)]
         self.table = codecs[0].noise.to(device)
-        self.int8_kernels = codecs[0].precision == "int8" and (
-            _int8_kernels_apply(self.sets[0].master) if int8_kernels is None else int8_kernels)
+        self.code_kernels = codecs[0].precision != "fp32" and (
+            _code_kernels_apply(self.sets[0].master) if code_kernels is None else code_kernels)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
@@ -213,21 +213,17 @@ class DeviceUpdater:
         if grad.device != self.device:
             self.bytes_up += n * grad.element_size()
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
-        noise = self.noise_for(room, plan.step, storage.index, start, n)
         hyper, flags, bounds = groups
         shifts, precision = [c.shift for c in self.codecs], self.codecs[0].precision
         wide = room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device)
-        if self.int8_kernels:  # the moments decoded and encoded in one pass each; AdamW between, on fp32 moments
-            from lightning_slide.ops.int8_codes import decode_int8, encode_int8
-
-            fp32 = [decode_int8(v, sc, o, k == 0, shifts[k], BLOCK)
-                    for k, (v, sc, o) in enumerate(zip(values, scales, room.out))]
-            scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, "fp32", fp32, [None, None], shifts, noise,
+        if self.code_kernels:  # the moments decoded and encoded in one pass each; AdamW between, on fp32 moments
+            fp32 = self._decode(room, values, scales, n)
+            scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, "fp32", fp32, [None, None], shifts, room.noise,
                                   [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide,
                                   bounds, hyper, flags, None, step, grad_scale, None)
-            for k, (x, v, sc) in enumerate(zip(fp32, values, scales)):
-                encode_int8(x, v, sc, k == 0, shifts[k], BLOCK)
+            self._encode(fp32, values, scales, plan.step, storage.index, start)
         else:
+            noise = self.noise_for(room, plan.step, storage.index, start, n)
             scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, precision, values, scales, shifts, noise,
                                   [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide,
                                   bounds, hyper, flags, None, step, grad_scale, None)
@@ -240,6 +236,28 @@ class DeviceUpdater:
                 m.scales.copy_(s, non_blocking=True)
         if storage.shadow is not None:
             storage.shadow[start : start + n].copy_(gm, non_blocking=True)
+
+    def _decode(self, room: _Buffers, values: list[torch.Tensor], scales: list[torch.Tensor | None],
+                n: int) -> list[torch.Tensor]:
+        """Both moments of a chunk as fp32, in the buffer set's decode rows (`ops.moment_codes`; bf16 widens)."""
+        from lightning_slide.ops.moment_codes import decode_int8
+
+        if self.codecs[0].precision == "bf16":
+            return [out[:n].copy_(v) for v, out in zip(values, room.out)]
+        return [decode_int8(v, sc, out, c.moment == 0, c.shift, BLOCK)
+                for v, sc, out, c in zip(values, scales, room.out, self.codecs)]
+
+    def _encode(self, fp32: list[torch.Tensor], values: list[torch.Tensor], scales: list[torch.Tensor | None],
+                step: int, unit: int, start: int) -> None:
+        """Both moments of a chunk stored back from fp32 (`ops.moment_codes`): 8-bit codes, or bf16 rounded with
+        the noise the CPU path's pieces draw for these elements."""
+        from lightning_slide.ops.moment_codes import encode_bf16, encode_int8
+
+        for x, v, sc, c in zip(fp32, values, scales, self.codecs):
+            if c.precision == "bf16":
+                encode_bf16(x, v, self.table, noise_position(step, unit, c.moment, start), NOISE_PERIOD, self.piece)
+            else:
+                encode_int8(x, v, sc, c.moment == 0, c.shift, BLOCK)
 
     def noise_for(self, room: _Buffers, step: int, unit: int, start: int, n: int) -> torch.Tensor:
         """bf16: both moments' rounding noise for elements [start, start + n) of `unit`, laid out one after the

@@ -3,7 +3,7 @@
 One module per kernel (reference, Triton kernel, autograd.Function, functional and nn.Module face):
 `norm` (RMSNorm), `rotary` (RoPE), `glu` (SwiGLU), `cross_entropy` (fused linear cross-entropy),
 `tiled_mlp` (the SwiGLU MLP over sequence tiles: `ops.tiled_mlp.tiled_mlp`); `hf_patch` (`ops.patch`)
-swaps them into a Hugging Face model; `int8_codes` decodes and encodes 8-bit Adam moments for the GPU updater.
+swaps them into a Hugging Face model; `moment_codes` decodes and encodes compact Adam moments for the GPU updater.
 Kernels run for CUDA tensors, and for CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`,
 for tests); anywhere else each op falls back to its pure-PyTorch reference, so a patched model
 still trains correctly on a CPU.

@@ -182,11 +182,11 @@ def test_tiled_mlp_transient_memory_is_three_tiles_whatever_the_length():
 
 
 @pytest.mark.parametrize("moment", [0, 1], ids=["exp_avg", "exp_avg_sq"])
-def test_int8_codes_compiled_give_the_codecs_bits_over_a_device_updater_chunk(moment):
+def test_8bit_codes_compiled_give_the_codecs_bits_over_a_device_updater_chunk(moment):
     """8M elements (the GPU updater's chunk) and a partial block, compiled: no contraction, no flushed subnormal."""
     from lightning_slide.moment_codec import BLOCK, Int8Codec, decode_piece
-    from lightning_slide.ops.int8_codes import decode_int8
-    from tests.ops.test_int8_codes import _encode, _encode_reference, _moment
+    from lightning_slide.ops.moment_codes import decode_int8
+    from tests.ops.test_moment_codes import _encode, _encode_reference, _moment
 
     x = _moment(moment, (1 << 23) + 37, "cuda")
     codes, scales = _encode(x, moment)
@@ -198,3 +198,20 @@ def test_int8_codes_compiled_give_the_codecs_bits_over_a_device_updater_chunk(mo
     decode_piece("int8", codes, scales, expected, expected.view(torch.int32), moment == 0, Int8Codec(moment).shift,
                  BLOCK)
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+
+
+def test_bf16_rounding_compiled_gives_the_codecs_bits_over_a_device_updater_chunk():
+    """8M elements in pieces of 64K (the CPU path's), the noise starting near the table's end."""
+    from lightning_slide.moment_codec import NOISE_PERIOD, Bf16Codec, encode_piece
+    from lightning_slide.ops.moment_codes import encode_bf16
+    from tests.ops.test_moment_codes import _moment
+
+    n, piece, start = (1 << 23) + 37, 1 << 16, NOISE_PERIOD - 300
+    x, table = _moment(0, n, "cuda"), Bf16Codec(0).noise.to("cuda")
+    values, expected = (torch.empty(n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    encode_bf16(x, values, table, start, NOISE_PERIOD, piece)
+    for a in range(0, n, piece):
+        part = x[a : a + piece].clone()
+        encode_piece("bf16", part, part.view(torch.int32), expected[a : a + piece], None, torch.empty(0), part,
+                     False, 0, 256, table, (start + a) % NOISE_PERIOD)
+    assert torch.equal(values.view(torch.int16), expected.view(torch.int16))

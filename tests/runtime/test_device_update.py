@@ -30,22 +30,23 @@ def test_updates_on_the_device_train_bit_for_bit_as_the_cpu_pool(precision, mode
     alternating between the two buffer sets."""
     monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 256)
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
-    monkeypatch.setattr(device_update, "_int8_kernels_apply", lambda t: False)  # the codec's torch ops
+    monkeypatch.setattr(device_update, "_code_kernels_apply", lambda t: False)  # the codec's torch ops
     pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
-    assert device.adam.on_device.chunk == 1024 and not device.adam.on_device.int8_kernels
+    assert device.adam.on_device.chunk == 1024 and not device.adam.on_device.code_kernels
     _assert_same_state(pool, device)
     pool.close(), device.close()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
 @pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
-def test_8bit_moments_coded_by_the_kernels_train_bit_for_bit_as_the_cpu_pool(mode, monkeypatch):
-    """`ops.int8_codes` (here in Triton's interpreter) decodes and encodes each chunk's moments in the device
-    updater: the same bits as the CPU pool's torch ops, over several chunks and a partial last block."""
+def test_compact_moments_coded_by_the_kernels_train_bit_for_bit_as_the_cpu_pool(precision, mode, monkeypatch):
+    """`ops.moment_codes` (here in Triton's interpreter) decodes and encodes each chunk's moments in the device
+    updater: the same bits as the CPU pool's torch ops, over several chunks and pieces and a partial last block."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 256)
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
-    pool, device = (_train("int8", mode, on, monkeypatch) for on in (False, True))
-    assert device.adam.on_device.int8_kernels
+    pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
+    assert device.adam.on_device.code_kernels
     _assert_same_state(pool, device)
     pool.close(), device.close()
 

@@ -1,13 +1,16 @@
-"""Blockwise dynamic 8-bit codes of Adam moments, decoded to fp32 and encoded back in one pass each.
+"""Compact Adam moments coded in one pass: 8-bit codes decoded to fp32 and encoded back, bf16 rounded stochastically.
 
-The code is defined by `lightning_slide.moment_codec` (`Int8Codec`, `decode_piece`, `encode_piece`): per block of
-`BLOCK` elements an fp32 absmax scale, per element an 8-bit float code of the element over its scale (exp_avg
-signed, the square root of exp_avg_sq not), found on its fp32 bits. There it is some twenty torch ops, each a pass
-over the piece: counting each op's reads and writes, about 350 bytes of device-memory traffic per element of a
-moment update on the GPU. Here decoding reads a code and its scale and writes the fp32 value (5 bytes), encoding
-the reverse, with the same integer and IEEE operations (division and square root rounded to nearest, no fused
-multiply-add, no flush of subnormals), so both give the codec's bits exactly; the tests hold them equal, edge cases
-included (ties, subnormals, zero and non-finite blocks, a partial last block).
+The codes are defined by `lightning_slide.moment_codec` (`decode_piece`, `encode_piece`). 8-bit: per block of `BLOCK`
+elements an fp32 absmax scale, per element an 8-bit float code of the element over its scale (exp_avg signed, the
+square root of exp_avg_sq not), found on its fp32 bits. bf16: the fp32 bits plus 16 random bits from a fixed table
+at a position set by the step, the unit, the moment and the element, truncated. There each is a chain of torch ops,
+each a pass over the piece (the bf16 noise gathered in four more): counting each op's reads and writes, about 350
+bytes of device-memory traffic per element of an 8-bit moment update on the GPU, about 190 for bf16. Here 8-bit
+decoding reads a code and its scale and writes the fp32 value (5 bytes), encoding the reverse, and bf16 encoding
+reads the value and its noise and writes 2 bytes, with the same integer and IEEE operations (division and square
+root rounded to nearest, no fused multiply-add, no flush of subnormals), so they give the codec's bits exactly; the
+tests hold them equal, edge cases included (ties, subnormals, zero and non-finite blocks, a partial last block, a
+piece whose noise starts near the table's end).
 """
 from __future__ import annotations
 
@@ -67,6 +70,20 @@ def _options() -> dict:
     return {} if triton_interprets() else {"num_warps": 4, "enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
+def _encode_bf16(X, OUT, TABLE, n, position, PERIOD: tl.constexpr, PIECE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    within = offs % PIECE  # each piece of the CPU path draws from (its start + position) mod PERIOD onwards
+    noise = tl.load(TABLE + ((offs - within + position) % PERIOD + within), mask=mask, other=0)
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    bits = ((x.to(tl.int32, bitcast=True) + noise) & -65536) >> 16  # up with the dropped bits' probability
+    tl.store(OUT + offs, tl.where(x != x, 0x7FC0, bits).to(tl.int16), mask=mask)  # NaN as torch's CPU casts it
+
+
+_encode_bf16_kernel = Kernel(_encode_bf16)
+BF16_BLOCK = 4096
+
+
 def _grid(n: int, block: int) -> tuple[int]:
     return (-(-n // (ROWS * block)),)
 
@@ -92,3 +109,12 @@ def encode_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, sign
     n = x.numel()
     _encode_kernel[_grid(n, block)](x, codes, scales, n, SIGNED=signed, SHIFT=shift, BLOCK=block, ROWS=ROWS,
                                     **_options())
+
+
+def encode_bf16(x: torch.Tensor, values: torch.Tensor, table: torch.Tensor, position: int, period: int,
+                piece: int) -> None:
+    """Store fp32 `x` (n) into bf16 `values`, rounded with `table`'s noise: element e of the chunk takes entry
+    ((e - e % piece + position) % period + e % piece), as the CPU path's pieces of `piece` elements draw it."""
+    n = x.numel()
+    _encode_bf16_kernel[(-(-n // BF16_BLOCK),)](x, values.view(torch.int16), table, n, position, PERIOD=period,
+                                                PIECE=piece, BLOCK=BF16_BLOCK, **_options())

@@ -1,9 +1,9 @@
-"""The 8-bit moment codes' kernels give the codec's torch ops' bits (`moment_codec.encode_piece`, `decode_piece`)."""
+"""The compact moments' kernels give the codec's torch ops' bits (`moment_codec.encode_piece`, `decode_piece`)."""
 import pytest
 import torch
 
-from lightning_slide.moment_codec import BLOCK, Int8Codec, decode_piece, encode_piece
-from lightning_slide.ops.int8_codes import decode_int8, encode_int8
+from lightning_slide.moment_codec import BLOCK, NOISE_PERIOD, Bf16Codec, Int8Codec, decode_piece, encode_piece
+from lightning_slide.ops.moment_codes import decode_int8, encode_bf16, encode_int8
 
 MOMENTS = [0, 1]
 IDS = ["exp_avg", "exp_avg_sq"]
@@ -69,3 +69,28 @@ def test_a_block_holding_a_nan_gets_a_nan_scale_as_amax_gives_it(moment, device)
     expected_codes, expected_scales = _encode_reference(x, moment)
     assert torch.isnan(scales[1]) and not torch.isnan(scales[[0, 2]]).any()
     assert torch.equal(codes, expected_codes)
+
+
+@pytest.mark.parametrize("start", [0, NOISE_PERIOD - 300], ids=["start", "near-the-tables-end"])
+def test_bf16_rounding_draws_the_noise_the_cpu_pieces_draw_and_rounds_as_they_do(start, device):
+    """Pieces of 256 elements: element e takes table entry ((e - e % 256 + position) % period + e % 256); a piece
+    that starts near the period's end reads on past it. Non-finite values round as torch casts them."""
+    codec, piece, n = Bf16Codec(1), 256, 5 * 256 + 37
+    x = _moment(0, n, device)
+    x[[3, 700]] = torch.tensor([float("inf"), -float("inf")], device=device)
+    table = codec.noise.to(device)
+    values = torch.empty(n, dtype=torch.bfloat16, device=device)
+    encode_bf16(x, values, table, start, NOISE_PERIOD, piece)
+    expected = torch.empty(n, dtype=torch.bfloat16, device=device)
+    for a in range(0, n, piece):  # the CPU path's pieces, each from its own position in the table
+        part = x[a : a + piece].clone()
+        encode_piece("bf16", part, part.view(torch.int32), expected[a : a + piece], None, torch.empty(0), part,
+                     False, 0, BLOCK, table, (start + a) % NOISE_PERIOD)
+    assert torch.equal(values.view(torch.int16), expected.view(torch.int16))
+
+
+def test_a_nan_rounds_to_bf16s_nan(device):
+    x = torch.tensor([1.0, float("nan"), -2.0], device=device)
+    values = torch.empty(3, dtype=torch.bfloat16, device=device)
+    encode_bf16(x, values, Bf16Codec(0).noise.to(device), 0, NOISE_PERIOD, 256)
+    assert torch.isnan(values[1]) and not torch.isnan(values[[0, 2]]).any()
