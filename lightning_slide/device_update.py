@@ -78,14 +78,14 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int, dedicated: Sequenc
     return [u for u in in_ram if not dedicated[u]][:gpu_update_blocks]
 
 
-def _code_kernels_apply(t: torch.Tensor) -> bool:
-    """Compact moments are decoded and encoded by `ops.moment_codes` for tensors like `t` (CUDA, or the CPU under
-    Triton's interpreter), else by the codec's torch ops."""
+def code_kernels_on(device: torch.device) -> bool:
+    """Compact moments on `device` are decoded and encoded by `ops.moment_codes` (CUDA, or the CPU under Triton's
+    interpreter), else by the codec's torch ops."""
     try:
         from lightning_slide.ops.moment_codes import applies
     except ImportError:  # no triton
         return False
-    return applies(t)
+    return applies(device)
 
 
 def chunk_elems(largest_trainable: int, piece: int) -> int:
@@ -97,32 +97,34 @@ def chunk_elems(largest_trainable: int, piece: int) -> int:
 
 class _Buffers:
     """One chunk's device room: the master, both moments' stored values and scales, both decoded to fp32 (and
-    their int32 views), the codecs' work rows, the gradient as it arrives and widened to fp32; for bf16, the
-    noise and what gathers it (each element's piece start and offset in it, and the table index)."""
+    their int32 views), the gradient as it arrives and widened to fp32; where the codec's torch ops code the
+    moments (`torch_ops`), their work rows, and for bf16 the noise and what gathers it (each element's piece start
+    and offset in it, and the table index)."""
 
-    def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int) -> None:
+    def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int,
+                 torch_ops: bool) -> None:
         int8, bf16 = codecs[0].precision == "int8", codecs[0].precision == "bf16"
         self.master = torch.empty(n, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
         self.scales = [torch.empty(-(-n // BLOCK), device=device) if int8 else None for _ in codecs]
         self.out = [torch.empty(n, device=device) for _ in codecs]
         self.out_bits = [o.view(torch.int32) for o in self.out]
-        self.work = torch.empty(2, n if int8 else 0, dtype=torch.int32, device=device)
+        self.work = torch.empty(2, n if int8 and torch_ops else 0, dtype=torch.int32, device=device)
         self.work_f = self.work[0].view(torch.float32)
         self.grad = torch.empty(4 * n, dtype=torch.uint8, device=device)  # a host gradient's copy, in its dtype
         self.wide = torch.empty(n, device=device)
-        self.noise = torch.empty(2 * n if bf16 else 0, dtype=torch.int32, device=device)
-        e = torch.arange(n if bf16 else 0, dtype=torch.int32, device=device)
+        self.noise = torch.empty(2 * n if bf16 and torch_ops else 0, dtype=torch.int32, device=device)
+        e = torch.arange(n if bf16 and torch_ops else 0, dtype=torch.int32, device=device)
         self.offsets = e % piece
         self.first = e - self.offsets
         self.index = torch.empty_like(e)
 
     @staticmethod
-    def bytes_for(n: int, precision: str) -> int:
+    def bytes_for(n: int, precision: str, torch_ops: bool) -> int:
         stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
-        work = 2 * 4 * n if precision == "int8" else 0
-        noise = (2 + 3) * 4 * n if precision == "bf16" else 0
+        work = 2 * 4 * n if precision == "int8" and torch_ops else 0
+        noise = (2 + 3) * 4 * n if precision == "bf16" and torch_ops else 0
         return 4 * n + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
@@ -135,11 +137,11 @@ class DeviceUpdater:
         by the codec's torch ops (a pass over the chunk per op)."""
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece)
-        self.lanes = [Lane(device, side=True) for _ in range(SETS)]
-        self.sets = [_Buffers(self.chunk, codecs, device, piece) for _ in range(SETS)]
-        self.table = codecs[0].noise.to(device)
         self.code_kernels = codecs[0].precision != "fp32" and (
-            _code_kernels_apply(self.sets[0].master) if code_kernels is None else code_kernels)
+            code_kernels_on(device) if code_kernels is None else code_kernels)
+        self.lanes = [Lane(device, side=True) for _ in range(SETS)]
+        self.sets = [_Buffers(self.chunk, codecs, device, piece, not self.code_kernels) for _ in range(SETS)]
+        self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
@@ -147,10 +149,10 @@ class DeviceUpdater:
             torch.cuda.synchronize(device)
 
     @staticmethod
-    def bytes_for(largest_trainable: int, piece: int, precision: str) -> int:
-        """Device bytes of the buffer sets and bf16's noise table."""
+    def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool) -> int:
+        """Device bytes of the buffer sets and bf16's noise table (`code_kernels`: as `code_kernels_on` says)."""
         table = 4 * (NOISE_PERIOD + piece) if precision == "bf16" else 0
-        return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision) + table
+        return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, not code_kernels) + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
         """Take the updates of `units` (RAM moments): their moments are page-locked in place, so that their

@@ -28,7 +28,7 @@ from lightning_slide.available import (
     process_rss,
 )
 from lightning_slide.config import SlideConfig
-from lightning_slide.device_update import SETS, DeviceUpdater, gpu_updated_units, gpu_updates_on
+from lightning_slide.device_update import SETS, DeviceUpdater, code_kernels_on, gpu_updated_units, gpu_updates_on
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
 from lightning_slide.layer_adam import LayerAdam
@@ -306,7 +306,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         largest = max(shape.units[u].trainable for u in served)
         piece = LayerAdam.widen_elems(largest, precision)
         entries.append(Entry(f"{precision} moments' update buffers ({SETS} chunks)", "gpu",
-                             DeviceUpdater.bytes_for(largest, piece, precision)))
+                             DeviceUpdater.bytes_for(largest, piece, precision,
+                                                     code_kernels_on(torch.device(setup.device)))))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
     if setup.training and setup.mode.sums:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._triton import Kernel, triton_interprets, use_triton
+from ._triton import Kernel, interpreting, triton_interprets
 
 ROWS = 16  # blocks of BLOCK elements per program
 TWO_POW_112 = 5.192296858534828e33  # rebias of a code's bits shifted into an fp32 (see moment_codec._int8_values)
@@ -88,9 +88,11 @@ def _grid(n: int, block: int) -> tuple[int]:
     return (-(-n // (ROWS * block)),)
 
 
-def applies(t: torch.Tensor) -> bool:
-    """The kernels run for these tensors (CUDA, or the CPU under Triton's interpreter)."""
-    return use_triton(t)
+def applies(device: torch.device) -> bool:
+    """The kernels run for tensors on `device`: CUDA, or the CPU under Triton's interpreter (as `use_triton`)."""
+    if device.type == "cuda":
+        return not triton_interprets()
+    return device.type == "cpu" and interpreting()
 
 
 def decode_int8(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, signed: bool, shift: int,

@@ -30,7 +30,7 @@ def test_updates_on_the_device_train_bit_for_bit_as_the_cpu_pool(precision, mode
     alternating between the two buffer sets."""
     monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 256)
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
-    monkeypatch.setattr(device_update, "_code_kernels_apply", lambda t: False)  # the codec's torch ops
+    monkeypatch.setattr(device_update, "code_kernels_on", lambda device: False)  # the codec's torch ops
     pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
     assert device.adam.on_device.chunk == 1024 and not device.adam.on_device.code_kernels
     _assert_same_state(pool, device)
@@ -126,7 +126,7 @@ def test_a_chunks_bf16_noise_is_what_the_cpu_pieces_draw_also_across_the_tables_
     from lightning_slide.moment_codec import NOISE_PERIOD, Bf16Codec, noise_position
 
     codecs, piece, n = (Bf16Codec(0), Bf16Codec(1)), 256, 1024
-    updater = device_update.DeviceUpdater(torch.device("cpu"), codecs, 4096, piece)
+    updater = device_update.DeviceUpdater(torch.device("cpu"), codecs, 4096, piece, code_kernels=False)
     room = updater.sets[0]
     mix = noise_position(7, 3, 0, 0)
     start = (NOISE_PERIOD - mix - 300) % NOISE_PERIOD  # the second piece's position wraps
@@ -150,7 +150,7 @@ def test_the_plan_pins_the_moments_of_fp32_blocks_updated_on_the_gpu_and_counts_
     assert locked.where == "pinned" and locked.bytes == 4 * 8 * block
     assert entries["Adam exp_avg + exp_avg_sq (fp32)"].bytes == 8 * shape.trainable - locked.bytes
     assert entries["fp32 moments' update buffers (2 chunks)"].bytes == device_update.DeviceUpdater.bytes_for(
-        block, 1 << 22, "fp32")
+        block, 1 << 22, "fp32", False)
 
 
 def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_run_there():
@@ -167,6 +167,7 @@ def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_
         buffers = entries.get("int8 moments' update buffers (2 chunks)")
         if device == "cuda":
             assert buffers.where == "gpu" and buffers.bytes == device_update.DeviceUpdater.bytes_for(
-                128256 * 4096, 1 << 16, "int8") and buffers.bytes < 0.5 * 2**30
+                128256 * 4096, 1 << 16, "int8", device_update.code_kernels_on(torch.device("cuda")))
+            assert buffers.bytes < 0.5 * 2**30
         else:
             assert buffers is None
