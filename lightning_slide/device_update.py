@@ -216,19 +216,19 @@ class DeviceUpdater:
             self.bytes_up += n * grad.element_size()
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
         hyper, flags, bounds = groups
-        shifts, precision = [c.shift for c in self.codecs], self.codecs[0].precision
+        shifts = [c.shift for c in self.codecs]
         wide = room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device)
         if self.code_kernels:  # the moments decoded and encoded in one pass each; AdamW between, on fp32 moments
-            fp32 = self._decode(room, values, scales, n)
-            scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, "fp32", fp32, [None, None], shifts, room.noise,
-                                  [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide,
-                                  bounds, hyper, flags, None, step, grad_scale, None)
-            self._encode(fp32, values, scales, plan.step, storage.index, start)
-        else:
+            coding, moments_in, scales_in = "fp32", self._decode(room, values, scales, n), [None, None]
+            noise = room.noise  # unused: fp32 moments are not rounded
+        else:  # the codec's torch ops inside the update
+            coding, moments_in, scales_in = self.codecs[0].precision, values, scales
             noise = self.noise_for(room, plan.step, storage.index, start, n)
-            scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, precision, values, scales, shifts, noise,
-                                  [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide,
-                                  bounds, hyper, flags, None, step, grad_scale, None)
+        scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, coding, moments_in, scales_in, shifts, noise, [0, n],
+                              ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide, bounds, hyper,
+                              flags, None, step, grad_scale, None)
+        if self.code_kernels:
+            self._encode(moments_in, values, scales, plan.step, storage.index, start)
         master.copy_(gm, non_blocking=True)
         if weights is not None:
             weights.copy_(gm)  # the cast a load of the fp32 master makes

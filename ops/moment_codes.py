@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ._triton import Kernel, interpreting, triton_interprets
 
-ROWS = 16  # blocks of BLOCK elements per program
+ROWS = 16  # 8-bit: blocks of BLOCK elements per program
+BF16_BLOCK = 4096  # bf16: elements per program
 TWO_POW_112 = 5.192296858534828e33  # rebias of a code's bits shifted into an fp32 (see moment_codec._int8_values)
 TWO_POW_M112 = 1.925929944387236e-34
 FLT_MIN = 1.1754943508222875e-38  # the smallest normal fp32: a zero block's scale divides as this
@@ -81,7 +82,6 @@ def _encode_bf16(X, OUT, TABLE, n, position, PERIOD: tl.constexpr, PIECE: tl.con
 
 
 _encode_bf16_kernel = Kernel(_encode_bf16)
-BF16_BLOCK = 4096
 
 
 def _grid(n: int, block: int) -> tuple[int]:
