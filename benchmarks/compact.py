@@ -249,6 +249,7 @@ def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW,
         times.append(time.perf_counter() - started)
     adam.worker.stop()
     adam.close()
+    storage.release()  # unlocked before its memory is freed: a later buffer may take the same addresses
     best = min(times[1:])
     return {"elements": storage.trainable_numel, "best_s": best, "mean_s": sum(times[1:]) / len(times[1:]),
             "gelem_per_s": storage.trainable_numel / best / 1e9}

@@ -21,9 +21,10 @@ from ._triton import Kernel, interpreting, triton_interprets
 
 ROWS = 16  # 8-bit: blocks of BLOCK elements per program
 BF16_BLOCK = 4096  # bf16: elements per program
-TWO_POW_112 = 5.192296858534828e33  # rebias of a code's bits shifted into an fp32 (see moment_codec._int8_values)
-TWO_POW_M112 = 1.925929944387236e-34
-FLT_MIN = 1.1754943508222875e-38  # the smallest normal fp32: a zero block's scale divides as this
+# (globals a compiled kernel reads must be constexpr)
+TWO_POW_112 = tl.constexpr(5.192296858534828e33)  # rebias of a code's bits in an fp32 (moment_codec._int8_values)
+TWO_POW_M112 = tl.constexpr(1.925929944387236e-34)
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # the smallest normal fp32: a zero block's scale divides as this
 
 
 def _decode(CODES, SCALES, OUT, n, SIGNED: tl.constexpr, SHIFT: tl.constexpr, KEEP: tl.constexpr,

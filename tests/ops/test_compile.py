@@ -3,7 +3,7 @@
 The interpreter runs kernels as numpy and accepts code that the compiler rejects. Triton ships
 ptxas in its wheel, so CI can run the real compiler down to machine code for the H200. Triton's
 mode is fixed when it is imported, and these tests' process imported it to interpret, so the
-compilation runs in a fresh process (about 10 s with a cold Triton cache: bf16 only, and the
+compilation runs in a fresh process (about 13 s with a cold Triton cache: bf16 only, and the
 softcapped, gradient-writing variant of the loss kernel, which contains the others' code).
 On a GPU machine the GPU tests compile the kernels instead.
 """
@@ -24,6 +24,7 @@ P, N, F = "*{}", "i32", "fp32"  # pointer (to a dtype), integer, float scalar
 def _kernels(dtype: str):
     import lightning_slide.ops.cross_entropy as lce
     import lightning_slide.ops.glu as glu
+    import lightning_slide.ops.moment_codes as codes
     import lightning_slide.ops.norm as norm
     import lightning_slide.ops.rotary as rotary
 
@@ -39,6 +40,12 @@ def _kernels(dtype: str):
         "swiglu_bwd": (glu._bwd, [p, p, p, p, p, N], {"BLOCK": glu.BLOCK}),
         "ce_rows_softcap": (lce._ce_rows, ce, {"HAS_SOFTCAP": True, "WRITE_GRAD": True, "BLOCK": lce.CE_BLOCK}),
         "scale": (lce._scale, [p, "*fp32", N], {"BLOCK": 4096}),
+        "decode_int8": (codes._decode, ["*u8", "*fp32", "*fp32", N],
+                        {"SIGNED": True, "SHIFT": 20, "KEEP": 0, "BLOCK": 256, "ROWS": codes.ROWS}),
+        "encode_int8": (codes._encode, ["*fp32", "*u8", "*fp32", N],
+                        {"SIGNED": False, "SHIFT": 20, "BLOCK": 256, "ROWS": codes.ROWS}),
+        "encode_bf16": (codes._encode_bf16, ["*fp32", "*i16", "*i32", N, "i64"],
+                        {"PERIOD": 1 << 20, "PIECE": 1 << 16, "BLOCK": codes.BF16_BLOCK}),
     }
 
 
