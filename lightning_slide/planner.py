@@ -245,9 +245,9 @@ class Plan:
         return not any(self._overflows(resources))
 
     def _overflows(self, resources: Resources) -> Iterator[tuple[str, tuple[str, ...], int, int]]:
-        for pool, locations in _POOLS.items():
+        for pool, locations in _POOLS.items():  # a pool the plan takes nothing from fits, whatever is free
             needed, free = self.total(*locations), resources.free(pool)
-            if free is not None and needed > free:
+            if free is not None and needed > 0 and needed > free:
                 yield pool, locations, needed, free
 
     def _refusal(self, pool: str, locations: tuple[str, ...], needed: int, free: int, resources: Resources) -> str:

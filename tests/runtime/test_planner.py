@@ -213,6 +213,17 @@ def test_8b_with_8_bit_moments_fits_a_64_gib_desktop_unclipped_and_clipping_is_r
                 plan.check(desktop)
 
 
+def test_a_micro_batch_that_needs_no_host_memory_fits_where_the_setup_left_less_than_the_headroom_free():
+    """(Mistral-Small-24B's shapes with 8-bit moments on a 126 GiB machine: the static plan took the host RAM down
+    to its headroom, so the host had less free than the headroom at the first micro-batch, which needs none.)"""
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="device"))
+    needs = Plan.static(shape, setup).batch(shape, setup, 8, 1024, 24 * GiB)
+    assert needs.total("pinned", "ram") == 0 < needs.total("gpu")
+    needs.check(Resources(ram=int(5.1 * GiB), gpu=20 * GiB, headroom=int(6.3 * GiB)))
+    with pytest.raises(PlanError, match="GPU memory"):
+        needs.check(Resources(ram=int(5.1 * GiB), gpu=needs.total("gpu") - 1, headroom=int(6.3 * GiB)))
+
+
 def test_memory_already_held_by_the_model_counts_as_available():
     plan = Plan.static(ModelShape.from_model(tiny_model(), set()), Setup(SlideConfig(), device="cpu"))
     need = plan.total("ram")
