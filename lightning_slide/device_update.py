@@ -111,6 +111,7 @@ class _Buffers:
         self.out_bits = [o.view(torch.int32) for o in self.out]
         self.work = torch.empty(2, n if int8 and torch_ops else 0, dtype=torch.int32, device=device)
         self.work_f = self.work[0].view(torch.float32)
+        self.work_d = self.work.view(-1).view(torch.float64)
         self.grad = torch.empty(4 * n, dtype=torch.uint8, device=device)  # a host gradient's copy, in its dtype
         self.wide = torch.empty(n, device=device)
         self.noise = torch.empty(2 * n if bf16 and torch_ops else 0, dtype=torch.int32, device=device)
@@ -225,8 +226,8 @@ class DeviceUpdater:
             coding, moments_in, scales_in = self.codecs[0].precision, values, scales
             noise = self.noise_for(room, plan.step, storage.index, start, n)
         scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, coding, moments_in, scales_in, shifts, noise, [0, n],
-                              ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, wide, bounds, hyper,
-                              flags, None, step, grad_scale, None)
+                              ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, room.work_d, wide,
+                              bounds, hyper, flags, None, step, grad_scale, None)
         if self.code_kernels:
             self._encode(moments_in, values, scales, plan.step, storage.index, start)
         master.copy_(gm, non_blocking=True)

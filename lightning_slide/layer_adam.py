@@ -128,8 +128,8 @@ def adam_(storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, 
         first, stride, piece, start, grad, master, codecs[0].precision, [m.values for m in moments],
         [m.scales for m in moments], [c.shift for c in codecs], codecs[0].noise,
         [noise_position(plan.step, storage.index, k, start) for k in range(2)], NOISE_PERIOD, BLOCK,
-        scratch.moments, scratch.moment_bits, scratch.work, scratch.work_f, scratch.wide_for(grad), bounds, hyper,
-        flags, storage.max_exp_avg_sq, plan.step_tensor, plan.grad_scale, storage.shadow)
+        scratch.moments, scratch.moment_bits, scratch.work, scratch.work_f, scratch.work_d, scratch.wide_for(grad),
+        bounds, hyper, flags, storage.max_exp_avg_sq, plan.step_tensor, plan.grad_scale, storage.shadow)
 
 
 def groups_of(storage: UnitStorage, plan: StepPlan) -> tuple[list[list[float]], list[list[bool]], list[int]]:
@@ -144,7 +144,8 @@ def groups_of(storage: UnitStorage, plan: StepPlan) -> tuple[list[list[float]], 
 def adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Tensor, master: torch.Tensor,
                  precision: str, values: list[torch.Tensor], scales: list[torch.Tensor | None], shifts: list[int],
                  noise: torch.Tensor, positions: list[int], period: int, block: int, out: list[torch.Tensor],
-                 out_bits: list[torch.Tensor], work: torch.Tensor, work_f: torch.Tensor, wide: torch.Tensor,
+                 out_bits: list[torch.Tensor], work: torch.Tensor, work_f: torch.Tensor, work_d: torch.Tensor,
+                 wide: torch.Tensor,
                  bounds: list[int], hyper: list[list[float]], flags: list[list[bool]],
                  max_exp_avg_sq: torch.Tensor | None, step_tensor: torch.Tensor, grad_scale: torch.Tensor | None,
                  shadow: torch.Tensor | None) -> list[list[torch.Tensor]]:
@@ -189,7 +190,7 @@ def adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Ten
         if precision != "fp32":
             for k in range(2):
                 encode_piece(precision, wide_moments[k], out_bits[k][: b - a], values[k][a:b], piece_scales[k], work,
-                             work_f, k == 0, shifts[k], block, noise, (positions[k] + a) % period)
+                             work_f, work_d, k == 0, shifts[k], block, noise, (positions[k] + a) % period)
         a += stride * piece
     return updated
 
@@ -244,6 +245,7 @@ class Scratch:
         self.moment_bits = [m.view(torch.int32) for m in self.moments]
         self.work = torch.empty(2, moment_elems, dtype=torch.int32)
         self.work_f = self.work[0].view(torch.float32)
+        self.work_d = self.work.view(-1).view(torch.float64)
         self.elems = elems
         self._wide: torch.Tensor | None = torch.empty(elems) if moment_elems else None
 

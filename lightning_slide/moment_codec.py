@@ -130,10 +130,11 @@ def decode_piece(precision: str, values: torch.Tensor, scales: torch.Tensor | No
 
 
 def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: torch.Tensor,
-                 scales: torch.Tensor | None, work: torch.Tensor, work_f: torch.Tensor, signed: bool, shift: int,
-                 block: int, noise: torch.Tensor, position: int) -> None:
+                 scales: torch.Tensor | None, work: torch.Tensor, work_f: torch.Tensor, work_d: torch.Tensor,
+                 signed: bool, shift: int, block: int, noise: torch.Tensor, position: int) -> None:
     """Store fp32 `x` (clobbered; `x_bits` its int32 view) into a piece of a bf16 or int8 moment; `work_f` is
-    `work`'s first row as fp32. bf16 rounds with the noise from `position` on."""
+    `work`'s first row as fp32, `work_d` all of `work` as fp64 (TorchScript cannot view a dtype). bf16 rounds
+    with the noise from `position` on."""
     n = x.numel()
     if precision == "bf16":  # up in magnitude with the probability of the dropped 16 bits
         x_bits.add_(noise[position : position + n]).bitwise_and_(-65536)
@@ -142,8 +143,8 @@ def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: 
     assert scales is not None
     full = n // block
     # exp_avg_sq's magnitude is its root, rounded to nearest as IEEE (and CUDA) round it: torch's fp32 sqrt on the
-    # CPU misses by an ulp for about one element in six
-    magnitudes = torch.abs(x, out=work_f[:n]) if signed else x.copy_(x.double().sqrt_())
+    # CPU misses by an ulp for about one element in six; fp64's root rounded to fp32 does not (in `work`'s room)
+    magnitudes = torch.abs(x, out=work_f[:n]) if signed else x.copy_(work_d[:n].copy_(x).sqrt_())
     torch.amax(magnitudes[: full * block].view(-1, block), dim=[1], out=scales[:full])
     x[: full * block].view(-1, block).div_(scales[:full].clamp(min=1.1754943508222875e-38).unsqueeze(1))
     if n % block:
@@ -199,8 +200,8 @@ class MomentCodec:
             return
         work = self._room(work, x.numel())
         scripted(encode_piece)(self.precision, x, x.view(torch.int32), packed.values, packed.scales, work,
-                               work[0].view(torch.float32), self.moment == 0, self.shift, BLOCK, self.noise,
-                               noise_position(step, unit, self.moment, index))
+                               work[0].view(torch.float32), work.view(-1).view(torch.float64), self.moment == 0,
+                               self.shift, BLOCK, self.noise, noise_position(step, unit, self.moment, index))
 
     def _room(self, work: torch.Tensor | None, n: int) -> torch.Tensor:
         """The int32 work room (2 x n): `work`, or made now where the codec uses it (int8)."""

@@ -213,5 +213,5 @@ def test_bf16_rounding_compiled_gives_the_codecs_bits_over_a_device_updater_chun
     for a in range(0, n, piece):
         part = x[a : a + piece].clone()
         encode_piece("bf16", part, part.view(torch.int32), expected[a : a + piece], None, torch.empty(0), part,
-                     False, 0, 256, table, (start + a) % NOISE_PERIOD)
+                     part.double(), False, 0, 256, table, (start + a) % NOISE_PERIOD)
     assert torch.equal(values.view(torch.int16), expected.view(torch.int16))

@@ -25,8 +25,9 @@ def _encode_reference(x: torch.Tensor, moment: int) -> tuple[torch.Tensor, torch
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-n // BLOCK), device=x.device)
     work = torch.empty(2, n, dtype=torch.int32, device=x.device)
-    encode_piece("int8", x, x.view(torch.int32), codes, scales, work, work[0].view(torch.float32), moment == 0,
-                 codec.shift, BLOCK, torch.empty(0, dtype=torch.int32), 0)
+    encode_piece("int8", x, x.view(torch.int32), codes, scales, work, work[0].view(torch.float32),
+                 work.view(-1).view(torch.float64), moment == 0, codec.shift, BLOCK, torch.empty(0, dtype=torch.int32),
+                 0)
     return codes, scales
 
 
@@ -85,7 +86,7 @@ def test_bf16_rounding_draws_the_noise_the_cpu_pieces_draw_and_rounds_as_they_do
     for a in range(0, n, piece):  # the CPU path's pieces, each from its own position in the table
         part = x[a : a + piece].clone()
         encode_piece("bf16", part, part.view(torch.int32), expected[a : a + piece], None, torch.empty(0), part,
-                     False, 0, BLOCK, table, (start + a) % NOISE_PERIOD)
+                     part.double(), False, 0, BLOCK, table, (start + a) % NOISE_PERIOD)
     assert torch.equal(values.view(torch.int16), expected.view(torch.int16))
 
 
