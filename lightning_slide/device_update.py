@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from importlib import import_module
 
 import torch
 
@@ -98,34 +99,35 @@ def chunk_elems(largest_trainable: int, piece: int) -> int:
 class _Buffers:
     """One chunk's device room: the master, both moments' stored values and scales, both decoded to fp32 (and
     their int32 views), the gradient as it arrives and widened to fp32; where the codec's torch ops code the
-    moments (`torch_ops`), their work rows, and for bf16 the noise and what gathers it (each element's piece start
-    and offset in it, and the table index)."""
+    moments (not `code_kernels`), their work rows, and for bf16 the noise and what gathers it (each element's piece
+    start and offset in it, and the table index)."""
 
     def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int,
-                 torch_ops: bool) -> None:
-        int8, bf16 = codecs[0].precision == "int8", codecs[0].precision == "bf16"
+                 code_kernels: bool) -> None:
+        int8_ops, bf16_ops = (codecs[0].precision == p and not code_kernels for p in ("int8", "bf16"))  # torch ops'
         self.master = torch.empty(n, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
-        self.scales = [torch.empty(-(-n // BLOCK), device=device) if int8 else None for _ in codecs]
+        self.scales = [torch.empty(-(-n // BLOCK), device=device) if codecs[0].precision == "int8" else None
+                       for _ in codecs]
         self.out = [torch.empty(n, device=device) for _ in codecs]
         self.out_bits = [o.view(torch.int32) for o in self.out]
-        self.work = torch.empty(2, n if int8 and torch_ops else 0, dtype=torch.int32, device=device)
+        self.work = torch.empty(2, n if int8_ops else 0, dtype=torch.int32, device=device)
         self.work_f = self.work[0].view(torch.float32)
         self.work_d = self.work.view(-1).view(torch.float64)
         self.grad = torch.empty(4 * n, dtype=torch.uint8, device=device)  # a host gradient's copy, in its dtype
         self.wide = torch.empty(n, device=device)
-        self.noise = torch.empty(2 * n if bf16 and torch_ops else 0, dtype=torch.int32, device=device)
-        e = torch.arange(n if bf16 and torch_ops else 0, dtype=torch.int32, device=device)
+        self.noise = torch.empty(2 * n if bf16_ops else 0, dtype=torch.int32, device=device)
+        e = torch.arange(n if bf16_ops else 0, dtype=torch.int32, device=device)
         self.offsets = e % piece
         self.first = e - self.offsets
         self.index = torch.empty_like(e)
 
     @staticmethod
-    def bytes_for(n: int, precision: str, torch_ops: bool) -> int:
+    def bytes_for(n: int, precision: str, code_kernels: bool) -> int:
         stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
-        work = 2 * 4 * n if precision == "int8" and torch_ops else 0
-        noise = (2 + 3) * 4 * n if precision == "bf16" and torch_ops else 0
+        work = 2 * 4 * n if precision == "int8" and not code_kernels else 0
+        noise = (2 + 3) * 4 * n if precision == "bf16" and not code_kernels else 0
         return 4 * n + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
@@ -140,8 +142,9 @@ class DeviceUpdater:
         self.chunk = chunk_elems(largest_trainable, piece)
         self.code_kernels = codecs[0].precision != "fp32" and (
             code_kernels_on(device) if code_kernels is None else code_kernels)
+        self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
         self.lanes = [Lane(device, side=True) for _ in range(SETS)]
-        self.sets = [_Buffers(self.chunk, codecs, device, piece, not self.code_kernels) for _ in range(SETS)]
+        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in range(SETS)]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
@@ -153,7 +156,7 @@ class DeviceUpdater:
     def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool) -> int:
         """Device bytes of the buffer sets and bf16's noise table (`code_kernels`: as `code_kernels_on` says)."""
         table = 4 * (NOISE_PERIOD + piece) if precision == "bf16" else 0
-        return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, not code_kernels) + table
+        return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels) + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
         """Take the updates of `units` (RAM moments): their moments are page-locked in place, so that their
@@ -243,24 +246,21 @@ class DeviceUpdater:
     def _decode(self, room: _Buffers, values: list[torch.Tensor], scales: list[torch.Tensor | None],
                 n: int) -> list[torch.Tensor]:
         """Both moments of a chunk as fp32, in the buffer set's decode rows (`ops.moment_codes`; bf16 widens)."""
-        from lightning_slide.ops.moment_codes import decode_int8
-
         if self.codecs[0].precision == "bf16":
             return [out[:n].copy_(v) for v, out in zip(values, room.out)]
-        return [decode_int8(v, sc, out, c.moment == 0, c.shift, BLOCK)
+        return [self.kernels.decode_int8(v, sc, out, c.moment == 0, c.shift, BLOCK)
                 for v, sc, out, c in zip(values, scales, room.out, self.codecs)]
 
     def _encode(self, fp32: list[torch.Tensor], values: list[torch.Tensor], scales: list[torch.Tensor | None],
                 step: int, unit: int, start: int) -> None:
         """Both moments of a chunk stored back from fp32 (`ops.moment_codes`): 8-bit codes, or bf16 rounded with
         the noise the CPU path's pieces draw for these elements."""
-        from lightning_slide.ops.moment_codes import encode_bf16, encode_int8
-
         for x, v, sc, c in zip(fp32, values, scales, self.codecs):
             if c.precision == "bf16":
-                encode_bf16(x, v, self.table, noise_position(step, unit, c.moment, start), NOISE_PERIOD, self.piece)
+                self.kernels.encode_bf16(x, v, self.table, noise_position(step, unit, c.moment, start), NOISE_PERIOD,
+                                         self.piece)
             else:
-                encode_int8(x, v, sc, c.moment == 0, c.shift, BLOCK)
+                self.kernels.encode_int8(x, v, sc, c.moment == 0, c.shift, BLOCK)
 
     def noise_for(self, room: _Buffers, step: int, unit: int, start: int, n: int) -> torch.Tensor:
         """bf16: both moments' rounding noise for elements [start, start + n) of `unit`, laid out one after the
