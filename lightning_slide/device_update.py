@@ -27,7 +27,15 @@ from importlib import import_module
 import torch
 
 from lightning_slide.layer_adam import StepPlan, adam_pieces, groups_of
-from lightning_slide.moment_codec import BLOCK, NOISE_PERIOD, MomentCodec, Packed, noise_position, scripted
+from lightning_slide.moment_codec import (
+    BLOCK,
+    NOISE_PERIOD,
+    MomentCodec,
+    Packed,
+    noise_position,
+    scripted,
+    work_views,
+)
 from lightning_slide.pinned import pin_, unpin_
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
@@ -112,8 +120,7 @@ class _Buffers:
         self.out = [torch.empty(n, device=device) for _ in codecs]
         self.out_bits = [o.view(torch.int32) for o in self.out]
         self.work = torch.empty(2, n if int8_ops else 0, dtype=torch.int32, device=device)
-        self.work_f = self.work[0].view(torch.float32)
-        self.work_d = self.work.view(-1).view(torch.float64)
+        self.work_f, self.work_d = work_views(self.work)
         self.grad = torch.empty(4 * n, dtype=torch.uint8, device=device)  # a host gradient's copy, in its dtype
         self.wide = torch.empty(n, device=device)
         self.noise = torch.empty(2 * n if bf16_ops else 0, dtype=torch.int32, device=device)

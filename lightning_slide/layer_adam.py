@@ -32,6 +32,7 @@ from lightning_slide.moment_codec import (
     encode_piece,
     noise_position,
     scripted,
+    work_views,
 )
 from lightning_slide.moments import Moments
 from lightning_slide.norm import GlobalNorm
@@ -145,8 +146,7 @@ def adam_pieces(first: int, stride: int, piece: int, start: int, grad: torch.Ten
                  precision: str, values: list[torch.Tensor], scales: list[torch.Tensor | None], shifts: list[int],
                  noise: torch.Tensor, positions: list[int], period: int, block: int, out: list[torch.Tensor],
                  out_bits: list[torch.Tensor], work: torch.Tensor, work_f: torch.Tensor, work_d: torch.Tensor,
-                 wide: torch.Tensor,
-                 bounds: list[int], hyper: list[list[float]], flags: list[list[bool]],
+                 wide: torch.Tensor, bounds: list[int], hyper: list[list[float]], flags: list[list[bool]],
                  max_exp_avg_sq: torch.Tensor | None, step_tensor: torch.Tensor, grad_scale: torch.Tensor | None,
                  shadow: torch.Tensor | None) -> list[list[torch.Tensor]]:
     """`adam_`'s loop, compiled by TorchScript: its interpreter runs the ops without Python's global lock (see
@@ -244,8 +244,7 @@ class Scratch:
         self.moments = [torch.empty(moment_elems) for _ in range(2)]
         self.moment_bits = [m.view(torch.int32) for m in self.moments]
         self.work = torch.empty(2, moment_elems, dtype=torch.int32)
-        self.work_f = self.work[0].view(torch.float32)
-        self.work_d = self.work.view(-1).view(torch.float64)
+        self.work_f, self.work_d = work_views(self.work)
         self.elems = elems
         self._wide: torch.Tensor | None = torch.empty(elems) if moment_elems else None
 

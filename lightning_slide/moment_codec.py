@@ -129,12 +129,17 @@ def decode_piece(precision: str, values: torch.Tensor, scales: torch.Tensor | No
     return x if signed else x.square_()
 
 
+def work_views(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The views of the 8-bit codec's int32 work room (2 x n) that `encode_piece` takes beside it: its first row
+    as fp32 and all of it as fp64 (TorchScript cannot view a tensor as another dtype)."""
+    return work[0].view(torch.float32), work.view(-1).view(torch.float64)
+
+
 def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: torch.Tensor,
                  scales: torch.Tensor | None, work: torch.Tensor, work_f: torch.Tensor, work_d: torch.Tensor,
                  signed: bool, shift: int, block: int, noise: torch.Tensor, position: int) -> None:
-    """Store fp32 `x` (clobbered; `x_bits` its int32 view) into a piece of a bf16 or int8 moment; `work_f` is
-    `work`'s first row as fp32, `work_d` all of `work` as fp64 (TorchScript cannot view a dtype). bf16 rounds
-    with the noise from `position` on."""
+    """Store fp32 `x` (clobbered; `x_bits` its int32 view) into a piece of a bf16 or int8 moment; `work_f` and
+    `work_d` are `work_views(work)`. bf16 rounds with the noise from `position` on."""
     n = x.numel()
     if precision == "bf16":  # up in magnitude with the probability of the dropped 16 bits
         x_bits.add_(noise[position : position + n]).bitwise_and_(-65536)
@@ -200,8 +205,8 @@ class MomentCodec:
             return
         work = self._room(work, x.numel())
         scripted(encode_piece)(self.precision, x, x.view(torch.int32), packed.values, packed.scales, work,
-                               work[0].view(torch.float32), work.view(-1).view(torch.float64), self.moment == 0,
-                               self.shift, BLOCK, self.noise, noise_position(step, unit, self.moment, index))
+                               *work_views(work), self.moment == 0, self.shift, BLOCK, self.noise,
+                               noise_position(step, unit, self.moment, index))
 
     def _room(self, work: torch.Tensor | None, n: int) -> torch.Tensor:
         """The int32 work room (2 x n): `work`, or made now where the codec uses it (int8)."""

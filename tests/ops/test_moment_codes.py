@@ -2,7 +2,15 @@
 import pytest
 import torch
 
-from lightning_slide.moment_codec import BLOCK, NOISE_PERIOD, Bf16Codec, Int8Codec, decode_piece, encode_piece
+from lightning_slide.moment_codec import (
+    BLOCK,
+    NOISE_PERIOD,
+    Bf16Codec,
+    Int8Codec,
+    decode_piece,
+    encode_piece,
+    work_views,
+)
 from lightning_slide.ops.moment_codes import decode_int8, encode_bf16, encode_int8
 
 MOMENTS = [0, 1]
@@ -25,9 +33,8 @@ def _encode_reference(x: torch.Tensor, moment: int) -> tuple[torch.Tensor, torch
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-n // BLOCK), device=x.device)
     work = torch.empty(2, n, dtype=torch.int32, device=x.device)
-    encode_piece("int8", x, x.view(torch.int32), codes, scales, work, work[0].view(torch.float32),
-                 work.view(-1).view(torch.float64), moment == 0, codec.shift, BLOCK, torch.empty(0, dtype=torch.int32),
-                 0)
+    encode_piece("int8", x, x.view(torch.int32), codes, scales, work, *work_views(work), moment == 0, codec.shift,
+                 BLOCK, torch.empty(0, dtype=torch.int32), 0)
     return codes, scales
 
 
