@@ -16,6 +16,7 @@ from benchmarks.models import MODELS
 SYSTEMS = {
     "probe": "probe",
     "ceiling": "fwd+bwd ceiling",
+    "ceiling-recompute": "fwd+bwd ceiling, every block recomputed",
     "plain": "plain",
     "ds2": "deepspeed_stage_2_offload",
     "ds3": "deepspeed_stage_3_offload",
@@ -178,6 +179,7 @@ def _targets() -> list[Case]:
         make("slide", "llama3_3b", 8),
         make("ds3", "llama3_3b", 8),
         make("ceiling", "llama3_8b", 8, cap_gib=None),
+        make("ceiling-recompute", "llama3_8b", 8, cap_gib=None),
         make("slide", "llama3_8b", 64),
         make("slide", "llama3_8b", 8),
         make("ceiling", "llama3_3b", 8, cap_gib=None),

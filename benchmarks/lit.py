@@ -51,7 +51,6 @@ class ClockCallback(pl.Callback):
     def __init__(self, clock: WindowClock) -> None:
         self.clock = clock
         self.stats: dict[str, dict] = {}
-        self.loss_last: float | None = None
         self.disk_bytes = 0
         self._trainer: pl.Trainer | None = None
         clock.on_window_start = lambda: self._snapshot("start")
@@ -60,9 +59,7 @@ class ClockCallback(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self._trainer = trainer
-        self.clock.tick()
-        if self.clock.done and self.loss_last is None:  # after the final sync: reading it costs nothing
-            self.loss_last = float(outputs["loss"])
+        self.clock.tick(outputs["loss"])
 
     def _snapshot(self, when: str) -> None:
         self.stats[when] = engine_stats(self._trainer.strategy) if self._trainer else {}
@@ -130,9 +127,8 @@ def run_lightning(case: Case, device: torch.device) -> dict:
     data = DataLoader(TensorDataset(random_tokens(MODELS[case.model], rows, case.seq_len)),
                       batch_size=case.micro_batch)
     config = _fit(case, device, data, clock.total_steps, case.seq_len, callback)
-    return {**clock.summary(case.tokens_per_step), "loss_last": callback.loss_last,
-            "first_step_at": clock.first_step_at, "engine_stats": callback.stats, "slide_config": config,
-            "disk_bytes": callback.disk_bytes,
+    return {**clock.summary(case.tokens_per_step), "first_step_at": clock.first_step_at,
+            "engine_stats": callback.stats, "slide_config": config, "disk_bytes": callback.disk_bytes,
             "kernels": "slide config use_kernels" if config.get("use_kernels") else "hf-llama-sdpa",
             "gradient_checkpointing": case.system in ("ds2", "ds3")}
 

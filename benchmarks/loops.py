@@ -94,13 +94,18 @@ def _with_kernels(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 def make_step(case: Case, device: torch.device, seq_len: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """Build the case's model on the device and return its training step (for timed runs and ladders)."""
-    dtype = torch.bfloat16 if case.system == "ceiling" else torch.float32
-    model = _with_kernels(build_model(MODELS[case.model], seq_len, device, dtype), device)
-    return _ceiling_step(model) if case.system == "ceiling" else _plain_step(model, device)
+    ceiling = case.system in ("ceiling", "ceiling-recompute")
+    model = _with_kernels(build_model(MODELS[case.model], seq_len, device,
+                                      torch.bfloat16 if ceiling else torch.float32), device)
+    if case.system == "ceiling-recompute":
+        model.gradient_checkpointing_enable()
+    return _ceiling_step(model) if ceiling else _plain_step(model, device)
 
 
 def _ceiling_step(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """bf16 weights, forward + backward only: the most the GPU can do per token for this model."""
+    """bf16 weights, forward + backward only: the most the GPU can do per token for this model. With gradient
+    checkpointing every decoder layer runs its forward again in the backward, as every block does in the engine
+    when its graph is not kept (a large step under a VRAM cap): the ceiling of the same work."""
     def step(ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -131,10 +136,8 @@ def run_timed(case: Case, device: torch.device) -> dict:
     step = make_step(case, device, case.seq_len)
     clock = WindowClock(case.warmup, case.steps, device, case.profile_steps)
     data = random_tokens(MODELS[case.model], clock.total_steps * case.micro_batch, case.seq_len).to(device)
-    loss = torch.zeros(())
     for batch in data.split(case.micro_batch):
-        loss = step(batch)
-        clock.tick()
-    return {**clock.summary(case.tokens_per_step), "loss_last": float(loss.detach()),
+        clock.tick(step(batch))
+    return {**clock.summary(case.tokens_per_step),
             "kernels": "ops (lightning-slide Triton kernels, fused loss)" if device.type == "cuda" else "hf-llama-sdpa",
             "first_step_at": clock.first_step_at}

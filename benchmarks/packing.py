@@ -68,7 +68,7 @@ class TokenWindow(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object,
                            batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.clock.tick()
+        self.clock.tick(outputs["loss"])
         size = batch["input_ids"].numel()
         if self.clock.warmup < self.clock.ticks <= self.clock.warmup + self.clock.steps:
             self.real = self.real + non_padding_tokens(batch)
@@ -104,6 +104,7 @@ def run_mode(args: argparse.Namespace, data_path: Path, packing: bool, device: t
             "real_tokens": real, "tokens": window.tokens, "padding": 1 - real / window.tokens,
             "real_tokens_per_s": real / (timing["step_s_mean"] * args.steps), "tokens_per_s": timing["tokens_per_s"],
             "step_s_mean": timing["step_s_mean"], "step_s_median": timing["step_s_median"],
+            "loss_last": timing["loss_last"], "first_nonfinite_step": timing["first_nonfinite_step"],
             "wall_s": time.perf_counter() - started, **_peaks(device)}
 
 

@@ -9,7 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-COLORS = {"ceiling": "#999999", "plain": "#4c72b0", "ds2": "#dd8452", "ds3": "#c44e52", "slide": "#55a868"}
+COLORS = {"ceiling": "#999999", "ceiling-recompute": "#bbbbbb", "plain": "#4c72b0", "ds2": "#dd8452", "ds3": "#c44e52",
+          "slide": "#55a868"}
 
 
 def _ran(records: list[dict]) -> list[dict]:

@@ -69,13 +69,15 @@ BOUNDARY_HINT = ("the step boundary: the next forward's first units (embedding, 
 #: (what, measure, goal, True when higher is better, hint when missed: None for the binding bound's)
 TARGETS = [
     ("8B, 24 GiB cap, 64x1024 tok/step vs the fwd+bwd ceiling (8B mb8, uncapped)",
-     _ratio("llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-capnone-ceiling"), 0.85, True, None),
+     _ratio("llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-capnone-ceiling"), 0.9, True, None),
+    ("the same vs the ceiling of the same work (8B mb8, uncapped, every block recomputed as under the cap)",
+     _ratio("llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb8-capnone-ceiling-recompute"), 0.9, True, None),
     ("3B mb8, 24 GiB cap vs deepspeed_stage_3_offload",
-     _ratio("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3"), 4.0, True, None),
+     _ratio("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3"), 5.0, True, None),
     ("8B at 8k tok/step: step time / CPU-Adam bound",
-     _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu"), 1.15, False, None),
+     _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu"), 1.2, False, None),
     ("exposed transfer + update (compute-stream idle) / step at >= 32k tok/step, worst slide case",
-     _worst_exposed, 0.05, False, BOUNDARY_HINT),
+     _worst_exposed, 0.03, False, BOUNDARY_HINT),
 ]
 
 

@@ -43,13 +43,22 @@ def _measure(case: Case, device: torch.device) -> dict:
         from benchmarks.loops import run_probe
 
         return run_probe(case, device)
-    if case.system in ("ceiling", "plain"):
+    if case.system in ("ceiling", "ceiling-recompute", "plain"):
         from benchmarks.loops import run_timed
 
         return run_timed(case, device)
     from benchmarks.lit import run_lightning
 
     return run_lightning(case, device)
+
+
+def _trained(measured: dict) -> tuple[bool, str | None]:
+    """A timed case counts only if its loss stayed finite: on NaN weights the same step is another workload."""
+    step = measured.get("first_nonfinite_step")
+    if step is None:
+        return True, None
+    return False, (f"the loss was not finite from step {step} of {len(measured['loss_steps'])} on: the timings measure "
+                   "arithmetic on NaN, not training")
 
 
 def _device_facts(device: torch.device) -> dict:
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                                   started))
         else:
             out.update(_measure(case, device))
-            out["ok"] = True
+            out["ok"], out["error"] = _trained(out)
     except BaseException as error:  # noqa: BLE001 - every failure is a result to record
         traceback.print_exc()
         out["error"] = f"{type(error).__name__}: {error}"[:4000]
