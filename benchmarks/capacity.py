@@ -86,8 +86,6 @@ def main() -> None:
     parser.add_argument("--nvme-master", action="store_true", help="the disk units' fp32 master on disk too")
     parser.add_argument("--moment-precision", default="fp32", choices=["fp32", "bf16", "int8"])
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (global norm)")
-    parser.add_argument("--h2d-source", default="master", choices=["master", "shadow"],
-                        help="what loads copy: the fp32 master, or a bf16 shadow that each update refreshes")
     parser.add_argument("--out", default=".")
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
@@ -112,7 +110,7 @@ def main() -> None:
     disk = dict(nvme_path=str(folder), nvme_moments=args.nvme_moments,
                 nvme_master=args.nvme_master) if args.offload == "nvme" else {}
     strategy = SlideStrategy(offload=args.offload, activations=args.activations, slots="auto",
-                             moment_precision=args.moment_precision, h2d_source=args.h2d_source, **disk)
+                             moment_precision=args.moment_precision, **disk)
     trainer = pl.Trainer(strategy=strategy, accelerator=device.type, devices=1,
                          precision="bf16-mixed" if device.type == "cuda" else "32-true",
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -149,8 +147,7 @@ def main() -> None:
         "engine": clock.stats,
     }
     variant = (f"-mb{args.micro_batch}" if args.micro_batch != 8 else "") + ("-master" if args.nvme_master else "") + (
-        f"-{args.moment_precision}" if args.moment_precision != "fp32" else "") + ("-clip" if args.clip else "") + (
-        "-shadow" if args.h2d_source == "shadow" else "")
+        f"-{args.moment_precision}" if args.moment_precision != "fp32" else "") + ("-clip" if args.clip else "")
     out = Path(args.out) / f"capacity-{args.model}-{args.offload}{variant}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))

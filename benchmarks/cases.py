@@ -57,7 +57,7 @@ class Case:
     est_s: float = 60.0
     known_failure: str | None = None
     adam_params: int = 500_000_000
-    slide_settings: Settings = ()  # SlideStrategy keyword arguments, e.g. (("h2d_source", "shadow"),)
+    slide_settings: Settings = ()  # SlideStrategy keyword arguments, e.g. (("recompute", "always"),)
     clip: float | None = None
     rungs: tuple[int, ...] = ()
     grow: Grow = "micro_batch"
@@ -87,7 +87,7 @@ class Case:
 
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
-_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "h2d_source": "{}", "recompute": "recompute-{}",
+_NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "recompute": "recompute-{}",
               "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}",
               "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}",
               "gpu_update_blocks": "gpuadam-{}"}
@@ -330,8 +330,6 @@ SUITES: dict[str, list[Case]] = {
     # gradient clipping at 1.0 (train.py's default) against none, same shapes, in one run
     "clipping": [make("slide", model, mb, clip=clip)
                  for model, mb in (("llama3_8b", 8), ("llama3_3b", 8), ("llama3_8b", 64)) for clip in (1.0, None)],
-    # what a load reads from host memory: the pinned fp32 master (default) or a pinned bf16 shadow copy
-    "h2d": [make("slide", "llama3_8b", 8), make("slide", "llama3_8b", 8, slide_settings=(("h2d_source", "shadow"),))],
     "ladders": _ladders(),
     "long": _long(),
     "tiling": _tiling(),

@@ -21,16 +21,15 @@ BOUNDS_FORMULA = {
     "cpu_update": "N (all params) / this run's torch.optim.AdamW(fused=True) CPU rate on 5e8 params",
 }
 TRAFFIC = {
-    "slide": "h2d: weights twice per step (fwd, bwd) in the engine's h2d_source dtype (fp32 master: 4 B/param, "
-             "bf16 shadow: 2); d2h: fp32 grads (4 B/param; our runtime sends fp32 grads); + unit inputs both "
-             "ways when activations='cpu'",
+    "slide": "h2d: weights twice per step (fwd, bwd) as the fp32 master (4 B/param); d2h: fp32 grads (4 B/param; "
+             "our runtime sends fp32 grads); + unit inputs both ways when activations='cpu'",
     "ds2": "h2d: bf16 params after the CPU update (2 B/param); d2h: bf16 grads (2 B/param)",
     "ds3": "h2d: bf16 params fetched for fwd and bwd (4 B/param); d2h: bf16 grads (2 B/param)",
 }
 HINTS = {
     "gpu_compute": "recompute costs 8NT instead of 6NT: keep more activations in spare VRAM, fuse kernels",
-    "pcie": "fewer PCIe bytes per param: more units resident (slots), h2d_source='shadow' where PCIe and not host "
-            "memory binds (docs/alternatives.md)",
+    "pcie": "fewer PCIe bytes per param: more units resident (slots), fewer bytes per parameter each way "
+            "(docs/alternatives.md lists what lost)",
     "cpu_update": "fewer host-memory bytes per param in and around the update, or a faster update where the "
                   "optimizer thread is not busy most of the step (docs/alternatives.md lists what lost)",
 }
@@ -131,10 +130,9 @@ def traffic_bytes(record: dict) -> tuple[float, float]:
     if system == "ds3":
         return 4.0 * n, 2.0 * n
     config = record.get("slide_config") or {}
-    weight_bytes = 2 if config.get("h2d_source") == "shadow" else 4
     spec = MODELS[record["model_key"]]
     activations = spec.layers * record["tokens_per_step"] * spec.hidden * 2 if config.get("activations") == "cpu" else 0
-    return 2.0 * n * weight_bytes + activations, 4.0 * n + activations
+    return 8.0 * n + activations, 4.0 * n + activations
 
 
 def engine_per_step(stats: dict) -> dict:

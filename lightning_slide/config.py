@@ -35,9 +35,6 @@ class SlideConfig:
         checkpointing does (weights excepted: they are read back from the window's slots); "auto": the first
         step recomputes and measures each part's graph, then parts keep their graphs (in forward order) in
         the device memory left after the window has grown (CUDA; on the CPU "auto" recomputes).
-    h2d_source: what a unit load reads from host memory. "master": the pinned fp32 master, cast to the
-        compute dtype on the GPU (no extra RAM, 4 PCIe bytes/param); "shadow": a pinned bf16 copy the
-        optimizer refreshes after each update (+2 B/param of RAM, 2 PCIe bytes/param).
     block_grad_buffers: GPU buffers, each one block in the compute dtype, that hold a block's gradient from its
         backward until it has left for the CPU (>= 2: one being written, one leaving); more let the backward
         run further ahead of a slower CPU update, at one block of VRAM each.
@@ -98,7 +95,6 @@ class SlideConfig:
     slots: int | Literal["auto"] = "auto"
     activations: Literal["auto", "device", "cpu", "nvme"] = "auto"
     recompute: Literal["auto", "always", "never"] = "auto"
-    h2d_source: Literal["master", "shadow"] = "master"
     block_grad_buffers: int = 3
     chunk_elems: int = 1 << 25
     grad_buffers: int = 3
@@ -120,7 +116,6 @@ class SlideConfig:
             "activations": self.activations in ("auto", "device", "cpu") or (
                 self.activations == "nvme" and self.offload == "nvme"),
             "recompute": self.recompute in ("auto", "always", "never"),
-            "h2d_source": self.h2d_source in ("master", "shadow"),
             "block_grad_buffers": self.block_grad_buffers >= 2,
             "chunk_elems": self.chunk_elems >= 1024 and (
                 self.moment_precision != "int8" or self.chunk_elems % INT8_BLOCK == 0),
@@ -196,7 +191,6 @@ _HINTS = {
     "slots": "The window needs at least 2 GPU slots (one computing, one loading), or 'auto'.",
     "activations": "Choose 'auto', 'device', 'cpu', or 'nvme' together with offload='nvme'.",
     "recompute": "Choose 'auto' (keep graphs where VRAM is spare), 'always' (least memory) or 'never'.",
-    "h2d_source": "Choose 'master' (pinned fp32, cast on the GPU) or 'shadow' (pinned bf16 copy).",
     "block_grad_buffers": "Use at least 2 GPU gradient buffers (one being written, one leaving for the CPU).",
     "chunk_elems": f"Use at least 1024 elements per gradient chunk, a multiple of {INT8_BLOCK} with "
                    "moment_precision='int8' (a chunk's update then covers whole 8-bit blocks).",

@@ -238,7 +238,7 @@ class SlideEngine:
         """A master on disk is loaded from a pinned copy in the compute dtype (the shadow), refreshed by updates."""
         amsgrad = optimizer is not None and any(g["amsgrad"] for g in optimizer.param_groups)
         for s in self.storages:
-            if UnitStorage.needs_shadow(s.on_disk, self.config.h2d_source, self.dtype):
+            if s.on_disk:
                 s.add_shadow(self.dtype)
             if self.mode.sums and optimizer is not None:  # held single gradients find a home at first use
                 s.add_grad_accumulator()

@@ -319,11 +319,9 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     if setup.training and setup.amsgrad:
         entries.append(Entry("Adam max_exp_avg_sq (amsgrad)", "ram", UnitStorage.bytes_for("amsgrad", t),
                              "amsgrad=False"))
-    shadowed = n if UnitStorage.needs_shadow(False, setup.config.h2d_source, setup.dtype) else master_on_disk
-    if shadowed:
-        entries.append(Entry("shadow weights (compute dtype, what loads read)", setup.pinned,
-                             UnitStorage.bytes_for("shadow", shadowed, setup.dtype),
-                             "h2d_source='master'" if shadowed == n else ""))
+    if master_on_disk:
+        entries.append(Entry("shadow weights of the masters on disk (compute dtype, what loads read)", setup.pinned,
+                             UnitStorage.bytes_for("shadow", master_on_disk, setup.dtype)))
     return entries
 
 
@@ -387,7 +385,7 @@ def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
         slots.append(Entry(f"{count} block gradient buffers", setup.on_device,
                            count * GradBuffer.bytes_for(block, dtype),
                            "block_grad_buffers=2" if count > 2 else ""))
-    if setup.cuda and setup.low_precision and setup.config.h2d_source == "master":
+    if setup.cuda and setup.low_precision:
         staging = Window.staging_bytes(setup.config.chunk_elems, max(u.numel for u in shape.units))
         slots.append(Entry("fp32 load staging", "gpu", staging, "a smaller chunk_elems"))
     return slots

@@ -101,14 +101,9 @@ class UnitStorage:
         start = self.offsets[id(p)]
         return flat[start : start + p.numel()].view(p.shape)
 
-    @staticmethod
-    def needs_shadow(master_on_disk: bool, h2d_source: str, dtype: torch.dtype) -> bool:
-        """Loads read a shadow where the master is on disk, or where h2d_source='shadow' asks for one (in a
-        low-precision compute dtype: an fp32 run reads the master itself)."""
-        return master_on_disk or (h2d_source == "shadow" and dtype != torch.float32)
-
     def add_shadow(self, dtype: torch.dtype) -> None:
-        """A pinned low-precision copy that loads read instead of the fp32 master (refreshed after updates)."""
+        """A pinned copy in the compute dtype that loads read where the fp32 master is on disk (refreshed after
+        updates)."""
         self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         self.shadow.copy_(self.master)
 

@@ -23,8 +23,7 @@
 #                                                                                   -> results/compact/
 #   bash scripts/gpu.sh compact-capacity  the update's rate per moment_precision (CPU pool; GPU updater with and
 #                                       without the code kernels), then 8B at 8x1024 on the RAM tier: VARIANTS= of
-#                                       "fp32 int8 int8-clip" or int8-shadow (loads from a bf16 shadow) (peak host
-#                                       RSS per parameter, step time)
+#                                       "fp32 int8 int8-clip" (peak host RSS per parameter, step time)
 #   bash scripts/gpu.sh compact-scale  one model with 8-bit moments, 3 steps (benchmarks/capacity.py): MODEL=qwen3_14b
 #                                       (or mistral_small_24b with OFFLOAD=nvme), MB=8 (or 64) x 1024 tokens,
 #                                       TIMEOUT=s (570)
@@ -133,7 +132,6 @@ case "${1:-check}" in
     for variant in ${VARIANTS:-fp32 int8 int8-clip}; do
       case $variant in
         *-clip) set -- "${variant%-clip}" --clip 1.0 ;;
-        *-shadow) set -- "${variant%-shadow}" --h2d-source shadow ;;
         *) set -- "$variant" ;;
       esac
       timeout 160 python3 -m benchmarks.capacity --model llama3_8b --offload cpu --steps 4 --micro-batch 8 \

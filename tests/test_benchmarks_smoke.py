@@ -54,7 +54,7 @@ def _run_records() -> list[dict]:
                 pcie={"h2d_gbs": 50.0, "d2h_gbs": 50.0, "bidir_gbs": 90.0}),
         _record("llama3_8b-mb8-capnone-ceiling", tokens_per_s=11000.0, step_s_mean=8192 / 11000.0),
         _record("llama3_8b-mb8-cap24-slide-cpu", tokens_per_s=3000.0, step_s_mean=8192 / 3000.0,
-                engine_stats=stats, slide_config={"h2d_source": "master", "activations": "auto"}, gpu_idle=idle),
+                engine_stats=stats, slide_config={"activations": "auto"}, gpu_idle=idle),
         _record("llama3_8b-mb64-cap24-slide-cpu-slots-auto", tokens_per_s=11000.0, step_s_mean=65536 / 11000.0,
                 gpu_idle=idle),
         _record("llama3_8b-mb8-capnone-ceiling-recompute", tokens_per_s=8800.0, step_s_mean=8192 / 8800.0),
@@ -83,7 +83,6 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
     pairs = {
         "recompute": [("llama3_1b-mb32-cap24-slide-cpu", "llama3_1b-mb32-cap24-slide-cpu-recompute-always"),
                       ("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-slide-cpu-recompute-always")],
-        "h2d": [("llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-shadow")],
         "settings": [("llama3_8b-mb8-cap24-slide-cpu", "llama3_8b-mb8-cap24-slide-cpu-chunk-4194304"),
                      ("llama3_8b-mb64-cap24-slide-cpu", "llama3_8b-mb64-cap24-slide-cpu-gradbufs-6")],
         "baselines": [("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-capnone-plain")],
@@ -95,7 +94,7 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
 
 
 def test_suites_are_named_for_what_they_measure() -> None:
-    assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "h2d", "ladders",
+    assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "ladders",
                            "long", "tiling", "gpu_updates", "boundary", "smoke", "full"}
     assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
 
