@@ -334,9 +334,10 @@ SUITES: dict[str, list[Case]] = {
     "long": _long(),
     "tiling": _tiling(),
     # fp32 blocks updated on the GPU instead of the CPU, where the CPU update bounds the step, beside the probe
+    # 8B, where 3 blocks have no slot, and 3B, where every block has one and the CPU update binds the step
     "gpu_updates": [_probe()] + [
-        make("slide", "llama3_8b", 8, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
-        for blocks in (0, 8, 14, 20)],
+        make("slide", model, 8, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
+        for model, counts in (("llama3_8b", (0, 8, 14, 20)), ("llama3_3b", (0, 14, 28))) for blocks in counts],
     # the step boundary at 64 x 1024 tokens: the first blocks' updates, the last of the backward, on the GPU
     # take them out of the CPU backlog ahead of the embedding's
     "boundary": [make("slide", "llama3_8b", 64, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
