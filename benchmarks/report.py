@@ -206,6 +206,23 @@ def waits_md(records: list[dict]) -> str:
     return _table(header, rows) if rows else ""
 
 
+def traffic_md(records: list[dict]) -> str:
+    """Per lightning-slide case, per step: the GB each kind of copy moved each way across PCIe, and the units whose
+    loads moved most (a unit loaded again is one whose slot was taken or whose new weights no update wrote there)."""
+    rows = []
+    for r in records:
+        engine = r.get("engine_per_step") or {}
+        if not r["ok"] or "h2d_loads_bytes" not in engine:
+            continue
+        loads = sorted((engine.get("load_by_unit_bytes") or {}).items(), key=lambda kv: -kv[1])[:3]
+        rows.append([r["case"], *(engine[f"h2d_{k}_bytes"] / 1e9 for k in ("loads", "saved_inputs", "updates")),
+                     *(engine[f"d2h_{k}_bytes"] / 1e9 for k in ("gradients", "saved_inputs", "updates")),
+                     ", ".join(f"{name} {n / 1e9:.2f}" for name, n in loads) or "-"])
+    header = ["case", "up: loads GB", "up: saved inputs GB", "up: updates GB", "back: gradients GB",
+              "back: saved inputs GB", "back: updates GB", "loaded most (GB)"]
+    return _table(header, rows) if rows else ""
+
+
 def failures_md(records: list[dict]) -> str:
     rows = [[r["case"], r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
             for r in records if not r["ok"]]
@@ -221,6 +238,9 @@ def tables_md(records: list[dict]) -> str:
     waits = waits_md(records)
     if waits:
         parts += ["### What the training thread waited for (per step)", waits]
+    traffic = traffic_md(records)
+    if traffic:
+        parts += ["### What crossed PCIe (per step)", traffic]
     parts += ["### Failed or not run (a result in its own right)", failures_md(records)]
     return "\n\n".join(parts)
 

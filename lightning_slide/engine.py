@@ -506,15 +506,22 @@ class SlideEngine:
         self._bind_optimizer_state()
 
     def stats(self) -> dict[str, object]:
-        """Cumulative transfer and overlap figures (bytes moved, thread busy time, exposed waits; the wait for
-        updates also per unit, by name, which says what a step boundary waits for, and beside it the optimizer
-        thread's own time per unit, which says how much of that wait was the unit's update itself)."""
+        """Cumulative transfer and overlap figures (bytes moved, in total and by what moved them, loads also per
+        unit; thread busy time, exposed waits; the wait for updates also per unit, by name, which says what a
+        step boundary waits for, and beside it the optimizer thread's own time per unit, which says how much of
+        that wait was the unit's update itself)."""
         updater = self.adam.on_device
+        h2d = {"loads": self.window.bytes, "saved_inputs": self.activations.bytes_in,
+               "updates": updater.bytes_up if updater else 0}
+        d2h = {"gradients": self.pump.bytes if self.pump else 0, "saved_inputs": self.activations.bytes_out,
+               "updates": updater.bytes_down if updater else 0}
         return {
             "steps": self._step,
-            "h2d_bytes": self.window.bytes + self.activations.bytes_in + (updater.bytes_up if updater else 0),
-            "d2h_bytes": (self.pump.bytes if self.pump else 0) + self.activations.bytes_out + (
-                updater.bytes_down if updater else 0),
+            "h2d_bytes": sum(h2d.values()),
+            "d2h_bytes": sum(d2h.values()),
+            **{f"h2d_{what}_bytes": n for what, n in h2d.items()},
+            **{f"d2h_{what}_bytes": n for what, n in d2h.items()},
+            "load_by_unit_bytes": {s.name: n for s, n in zip(self.storages, self.window.load_bytes) if n},
             "update_busy_s": self.adam.worker.busy_s,
             "copy_busy_s": self.pump.worker.busy_s if self.pump else 0.0,
             "wait_update_s": sum(self.window.waits),

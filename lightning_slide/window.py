@@ -86,7 +86,7 @@ class Window:
         needs_cast = device.type == "cuda" and dtype != torch.float32 and any(s.shadow is None for s in storages)
         largest = max(s.numel for s in storages)
         self.staging = torch.empty(self.staging_elems(staging_elems, largest), device=device) if needs_cast else None
-        self.bytes = 0
+        self.load_bytes = [0] * len(storages)  # bytes each unit's loads copied to the device
         self.waits = [0.0] * len(storages)  # seconds loads of each unit waited for its update
 
     @staticmethod
@@ -105,6 +105,11 @@ class Window:
         buffer = self.block_grads[self._next_grads]
         self._next_grads = (self._next_grads + 1) % len(self.block_grads)
         return buffer
+
+    @property
+    def bytes(self) -> int:
+        """Bytes every load copied to the device."""
+        return sum(self.load_bytes)
 
     @property
     def slot_bytes(self) -> int:
@@ -193,7 +198,8 @@ class Window:
                 self._cast_in(dst, storage.master)
             slot.loaded = self.h2d.record()
         slot.unit, slot.version = unit, self.adam.scheduled[unit]
-        self.bytes += dst.numel() * (storage.master if storage.shadow is None else storage.shadow).element_size()
+        source = storage.master if storage.shadow is None else storage.shadow
+        self.load_bytes[unit] += dst.numel() * source.element_size()
 
     def _cast_in(self, dst: torch.Tensor, master: torch.Tensor) -> None:
         """fp32 pinned master -> device staging -> compute dtype, chunk by chunk (no CPU-side conversion)."""

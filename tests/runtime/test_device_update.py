@@ -73,6 +73,21 @@ def test_updates_on_the_device_write_resident_weights_into_their_slots_instead_o
     pool.close(), device.close()
 
 
+def test_the_engine_counts_the_bytes_of_loads_per_unit_and_of_each_kind_of_copy(monkeypatch):
+    """Two slots for the tiny model's blocks: the ring's loads, the updater's state copies and the pump's gradients
+    (the embedding and head, updated by the CPU pool here) are told apart, and they add up to the totals."""
+    engine = _train("int8", StepMode(), True, monkeypatch, slots=2)
+    stats = engine.stats()
+    assert stats["h2d_bytes"] == stats["h2d_loads_bytes"] + stats["h2d_saved_inputs_bytes"] + stats["h2d_updates_bytes"]
+    assert stats["d2h_bytes"] == (stats["d2h_gradients_bytes"] + stats["d2h_saved_inputs_bytes"]
+                                  + stats["d2h_updates_bytes"])
+    assert stats["h2d_updates_bytes"] > 0 and stats["d2h_updates_bytes"] > 0
+    by_unit = stats["load_by_unit_bytes"]
+    assert sum(by_unit.values()) == stats["h2d_loads_bytes"] == engine.window.bytes
+    assert set(by_unit) == {s.name for s in engine.storages}  # with 2 slots every block loads again
+    engine.close()
+
+
 @pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("precision, blocks", [("bf16", 0), ("fp32", 2)], ids=["bf16", "fp32-2-of-3-blocks"])
 @pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
