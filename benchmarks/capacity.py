@@ -8,8 +8,9 @@ to the planner's prediction.
 
 Writes `capacity-<model>-<offload>.json`: step times, tokens/s, the planner's prediction of what lives where next to
 the measured peaks (host RSS polled every 0.2 s, VRAM allocated/reserved, bytes of the disk tier's files),
-the engine's transfer and disk counters, and the machine. The model is built on the meta device and
-filled unit by unit straight into the engine's storage (random init on the GPU), so it never exists twice.
+the engine's transfer and disk counters (running totals, and each step's own: the first steps load every unit
+and grow the window, so the totals' mean is not a steady step's), and the machine. The model is built on the meta
+device and filled unit by unit straight into the engine's storage (random init on the GPU), so it never exists twice.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.records import engine_per_step
 from lightning_slide import SlideStrategy
 from lightning_slide.lm import CausalLMModule
 from lightning_slide.models import build_model
@@ -59,6 +61,7 @@ class StepClock(pl.Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
         self.stats: dict = {}
+        self.by_step: list[dict] = []  # the counters' growth over each step
         self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args) -> None:
@@ -67,7 +70,8 @@ class StepClock(pl.Callback):
         now = time.perf_counter()
         self.times.append(now - self._last)
         self._last = now
-        self.stats = trainer.strategy.engine.stats()
+        before, self.stats = self.stats, trainer.strategy.engine.stats()
+        self.by_step.append(engine_per_step({"start": before or {"steps": 0}, "end": self.stats}))
         print(f"step {len(self.times)}: {self.times[-1]:.1f} s, rss {psutil.Process().memory_info().rss / GiB:.1f} GiB,"
               f" {self.stats}", flush=True)
 
@@ -145,6 +149,7 @@ def main() -> None:
             "entries": [{"what": e.what, "where": e.where, "gib": e.bytes / GiB} for e in plan.entries],
             "total_gib": {w: plan.total(w) / GiB for w in ("gpu", "pinned", "ram", "disk")}},
         "engine": clock.stats,
+        "engine_by_step": clock.by_step,
     }
     variant = (f"-mb{args.micro_batch}" if args.micro_batch != 8 else "") + ("-master" if args.nvme_master else "") + (
         f"-{args.moment_precision}" if args.moment_precision != "fp32" else "") + ("-clip" if args.clip else "")
