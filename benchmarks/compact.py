@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, precision: str, data: TextDataModule, steps: i
         start: Path | None = None, save: Path | None = None) -> dict:
     """One training run of the benchmark's model; its curves and timings."""
     pl.seed_everything(0, verbose=False)
-    config = model_config(args.model, **({"num_hidden_layers": args.layers} if args.layers else {}))
+    config = model_config(args.model, **_shape_overrides(args))
     module = CausalLMModule(build_model(config, meta=True), lr=lr, warmup_steps=warmup)
     curves = Curves()
     trainer = pl.Trainer(strategy=SlideStrategy(moment_precision=precision), accelerator="auto", devices=1,
@@ -136,6 +136,15 @@ def run(args: argparse.Namespace, precision: str, data: TextDataModule, steps: i
             if trainer.strategy.engine is not None else None}
 
 
+def _shape_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The config fields the command line changes: fewer blocks, or a larger vocabulary tied to the head (the
+    byte tokenizer then leaves most of its rows unused, as a subword vocabulary's rare tokens are)."""
+    overrides: dict[str, object] = {"num_hidden_layers": args.layers} if args.layers else {}
+    if args.vocab_size:
+        overrides.update(vocab_size=args.vocab_size, tie_word_embeddings=True)
+    return overrides
+
+
 def quality(args: argparse.Namespace) -> None:
     out = Path(args.out)
     ckpt = Path(args.scratch) / "fp32-pretrained.ckpt"
@@ -145,7 +154,8 @@ def quality(args: argparse.Namespace) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
     pretrain = TextDataModule(byte_tokenizer(), None, seq_len=args.seq_len, batch_size=args.micro_batch, seed=0)
     finetune = finetune_data(ckpt.parent, args.seq_len, args.micro_batch)
-    record = {**record_base(args), "model": args.model, "layers": args.layers, "micro_batch": args.micro_batch,
+    record = {**record_base(args), "model": args.model, "layers": args.layers, "vocab_size": args.vocab_size,
+              "micro_batch": args.micro_batch,
               "seq_len": args.seq_len, "vram_cap_gib": args.cap_gib, "data": {
                   "pretrain": "the built-in corpus (lightning_slide.data.BUILTIN_MODULES), byte tokenizer, 5% held out",
                   "finetune": f"source of {list(FINETUNE_MODULES)}, {args.seq_len}-byte text records, 5% held out"},
@@ -286,6 +296,8 @@ def main() -> None:
     parser.add_argument("what", choices=["quality", "update"])
     parser.add_argument("--model", default="llama3_1b")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder blocks than the config's")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="quality: this vocabulary, tied to the head, instead of the config's")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS[1:], default=list(PRECISIONS[1:]),
                         help="quality: the compact precisions to run beside fp32 (one call of the GPU script "
