@@ -8,7 +8,7 @@ for the host is the copies, 6 bytes per parameter each way with 8-bit moments (f
 the CPU update read and wrote about 28 plus the gradient's 4.
 
 The arithmetic is `layer_adam.adam_pieces`, the CPU path's own, on device tensors. Its codec steps are exact
-integer and IEEE operations, so given the same inputs they give the same bits on either device; bf16 rounding
+integer and IEEE operations, so given the same inputs they give the same bits on either device; their rounding
 draws its noise exactly as the CPU path's pieces do (`noise_for`). The fused AdamW call is torch's CUDA kernel.
 Units whose moments are on disk keep the CPU path (their chunks come and go through the disk tier's buffers).
 
@@ -98,7 +98,7 @@ def code_kernels_on(device: torch.device) -> bool:
 
 
 def chunk_elems(largest_trainable: int, piece: int) -> int:
-    """A buffer set's elements: a whole number of the CPU path's pieces (so bf16 noise lines up), at most
+    """A buffer set's elements: a whole number of the CPU path's pieces (so the rounding noise lines up), at most
     CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs."""
     pieces = max(1, min(CHUNK_ELEMS, largest_trainable) // piece)
     return min(pieces * piece, -(-largest_trainable // piece) * piece)
@@ -107,12 +107,13 @@ def chunk_elems(largest_trainable: int, piece: int) -> int:
 class _Buffers:
     """One chunk's device room: the master, both moments' stored values and scales, both decoded to fp32 (and
     their int32 views), the gradient as it arrives and widened to fp32; where the codec's torch ops code the
-    moments (not `code_kernels`), their work rows, and for bf16 the noise and what gathers it (each element's piece
+    moments (not `code_kernels`), their work rows, and the rounding noise and what gathers it (each element's piece
     start and offset in it, and the table index)."""
 
     def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int,
                  code_kernels: bool) -> None:
-        int8_ops, bf16_ops = (codecs[0].precision == p and not code_kernels for p in ("int8", "bf16"))  # torch ops'
+        int8_ops = codecs[0].precision == "int8" and not code_kernels  # the codec's torch ops
+        rounding_ops = codecs[0].precision != "fp32" and not code_kernels  # ... and the noise they round with
         self.master = torch.empty(n, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
         self.scales = [torch.empty(-(-n // BLOCK), device=device) if codecs[0].precision == "int8" else None
@@ -123,8 +124,8 @@ class _Buffers:
         self.work_f, self.work_d = work_views(self.work)
         self.grad = torch.empty(4 * n, dtype=torch.uint8, device=device)  # a host gradient's copy, in its dtype
         self.wide = torch.empty(n, device=device)
-        self.noise = torch.empty(2 * n if bf16_ops else 0, dtype=torch.int32, device=device)
-        e = torch.arange(n if bf16_ops else 0, dtype=torch.int32, device=device)
+        self.noise = torch.empty(2 * n if rounding_ops else 0, dtype=torch.int32, device=device)
+        e = torch.arange(n if rounding_ops else 0, dtype=torch.int32, device=device)
         self.offsets = e % piece
         self.first = e - self.offsets
         self.index = torch.empty_like(e)
@@ -134,7 +135,7 @@ class _Buffers:
         stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
         work = 2 * 4 * n if precision == "int8" and not code_kernels else 0
-        noise = (2 + 3) * 4 * n if precision == "bf16" and not code_kernels else 0
+        noise = (2 + 3) * 4 * n if precision != "fp32" and not code_kernels else 0
         return 4 * n + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
@@ -161,8 +162,9 @@ class DeviceUpdater:
 
     @staticmethod
     def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool) -> int:
-        """Device bytes of the buffer sets and bf16's noise table (`code_kernels`: as `code_kernels_on` says)."""
-        table = 4 * (NOISE_PERIOD + piece) if precision == "bf16" else 0
+        """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
+        says)."""
+        table = 4 * (NOISE_PERIOD + piece) if precision != "fp32" else 0
         return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels) + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
@@ -260,19 +262,21 @@ class DeviceUpdater:
 
     def _encode(self, fp32: list[torch.Tensor], values: list[torch.Tensor], scales: list[torch.Tensor | None],
                 step: int, unit: int, start: int) -> None:
-        """Both moments of a chunk stored back from fp32 (`ops.moment_codes`): 8-bit codes, or bf16 rounded with
+        """Both moments of a chunk stored back from fp32 (`ops.moment_codes`): 8-bit codes or bf16, rounded with
         the noise the CPU path's pieces draw for these elements."""
         for x, v, sc, c in zip(fp32, values, scales, self.codecs):
+            position = noise_position(step, unit, c.moment, start)
             if c.precision == "bf16":
-                self.kernels.encode_bf16(x, v, self.table, noise_position(step, unit, c.moment, start), NOISE_PERIOD,
-                                         self.piece)
+                self.kernels.encode_bf16(x, v, self.table, position, NOISE_PERIOD, self.piece)
             else:
-                self.kernels.encode_int8(x, v, sc, c.moment == 0, c.shift, BLOCK)
+                self.kernels.encode_int8(x, v, sc, c.moment == 0, c.shift, BLOCK, self.table, position, NOISE_PERIOD,
+                                         self.piece)
 
     def noise_for(self, room: _Buffers, step: int, unit: int, start: int, n: int) -> torch.Tensor:
-        """bf16: both moments' rounding noise for elements [start, start + n) of `unit`, laid out one after the
-        other: what the CPU path's pieces of `piece` elements draw (`adam_pieces` starts each piece's draw at
-        its position in the table, `noise_position`), gathered here for the whole chunk. Empty for 8-bit."""
+        """Both moments' rounding noise for elements [start, start + n) of `unit`, laid out one after the other:
+        what the CPU path's pieces of `piece` elements draw (`adam_pieces` starts each piece's draw at its position
+        in the table, `noise_position`), gathered here for the whole chunk. Empty where the kernels round (they
+        gather their own) and for fp32."""
         if room.noise.numel() == 0:
             return room.noise
         index = room.index[:n]

@@ -21,7 +21,11 @@ update is torch's AdamW's exactly; only the moments lose precision, on the write
   that ran at 12-20 M elements/s per core, 50 times slower than the update itself, where the float code is a
   few integer operations. The square root is what the update divides by, and it spans half the decades of
   exp_avg_sq within a block, so elements far below their block's largest keep more digits
-  (docs/alternatives.md has the measurements).
+  (docs/alternatives.md has the measurements). Codes are rounded stochastically, with bf16's table: to the
+  nearest code, an element of exp_avg_sq below its block's largest could not decay, since beta2 = 0.999 moves it
+  by 0.1% a step and a code's step is 6-12%, so it stayed near its largest value since (a rare token's row
+  after one large gradient); its updates then shrank up to threefold, and a tiny Llama with a 32k vocabulary
+  tied to its head ended 2.0% above fp32's validation loss (docs/alternatives.md).
 """
 
 from __future__ import annotations
@@ -97,15 +101,16 @@ def _int8_values(codes: torch.Tensor, out: torch.Tensor, bits: torch.Tensor, sig
     return out.mul_(2.0**112)
 
 
-def _int8_codes(y: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, signed: bool, shift: int) -> torch.Tensor:
-    """The nearest code of each of `y` (|y| <= 1; clobbered; `bits` is its int32 view), as int32: y * 2^-112's
-    fp32 bits, rounded to the code's mantissa (ties to even, as IEEE rounding: a tie is common, e.g. where an
-    element is a simple fraction of its block's absmax; a carry moves to the next binade), shifted down."""
+def _int8_codes(y: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, signed: bool, shift: int,
+                noise: torch.Tensor) -> torch.Tensor:
+    """The code of each of `y` (|y| <= 1; clobbered; `bits` is its int32 view), as int32: y * 2^-112's fp32 bits
+    plus `noise` (16 random bits per element) below the code's last mantissa bit, shifted down: one of the two
+    codes around y, the upper with the probability of the dropped bits (a carry moves to the next binade; a value
+    on a code stays there)."""
     y.mul_(2.0**-112)
     n = bits.numel()
     magnitude = torch.bitwise_and(bits, 0x7FFFFFFF, out=work[0, :n]) if signed else bits
-    odd = torch.bitwise_right_shift(magnitude, shift, out=work[1, :n]).bitwise_and_(1)
-    magnitude.add_(odd.add_((1 << (shift - 1)) - 1)).bitwise_right_shift_(shift)
+    magnitude.add_(torch.bitwise_left_shift(noise, shift - 16, out=work[1, :n])).bitwise_right_shift_(shift)
     if signed:
         magnitude.bitwise_or_(bits.bitwise_right_shift_(24).bitwise_and_(0x80))
     return magnitude
@@ -139,7 +144,7 @@ def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: 
                  scales: torch.Tensor | None, work: torch.Tensor, work_f: torch.Tensor, work_d: torch.Tensor,
                  signed: bool, shift: int, block: int, noise: torch.Tensor, position: int) -> None:
     """Store fp32 `x` (clobbered; `x_bits` its int32 view) into a piece of a bf16 or int8 moment; `work_f` and
-    `work_d` are `work_views(work)`. bf16 rounds with the noise from `position` on."""
+    `work_d` are `work_views(work)`. Both round with the noise from `position` on."""
     n = x.numel()
     if precision == "bf16":  # up in magnitude with the probability of the dropped 16 bits
         x_bits.add_(noise[position : position + n]).bitwise_and_(-65536)
@@ -156,7 +161,7 @@ def encode_piece(precision: str, x: torch.Tensor, x_bits: torch.Tensor, values: 
         tail = x[full * block :]
         scales[-1] = tail.abs().max()
         tail.div_(scales[-1].clamp(min=1.1754943508222875e-38))
-    values.copy_(_int8_codes(x, x_bits, work, signed, shift))
+    values.copy_(_int8_codes(x, x_bits, work, signed, shift, noise[position : position + n]))
 
 
 class MomentCodec:
@@ -168,7 +173,7 @@ class MomentCodec:
     def __init__(self, moment: int) -> None:
         self.moment = moment  # 0: exp_avg (signed), 1: exp_avg_sq (non-negative)
         self.shift = 23 - (3 if moment == 0 else 4)  # int8: the fp32 mantissa bits a code drops
-        self.noise = _noise() if self.precision == "bf16" else torch.empty(0, dtype=torch.int32)
+        self.noise = _noise() if self.precision != "fp32" else torch.empty(0, dtype=torch.int32)
 
     def bytes_for(self, elements: int) -> int:
         """Host bytes of this moment over `elements` (one unit's trainable range)."""
@@ -224,7 +229,8 @@ class Int8Codec(MomentCodec):
     """Per block of BLOCK elements, the absmax as an fp32 scale and each element divided by it as an 8-bit float
     code: exp_avg as sign, 4 exponent and 3 mantissa bits, the square root of exp_avg_sq (never negative) as 4
     exponent and 4 mantissa bits. The exponent spans the 16 binades below 1 (then subnormal steps down to
-    2^-17 or 2^-18); each element takes the nearest code (ties to even), computed on its fp32 bits."""
+    2^-17 or 2^-18); each element takes one of the two codes around it, stochastically as bf16 rounds (the same
+    table and positions), computed on its fp32 bits."""
 
     precision: MomentPrecision = "int8"
     dtype = torch.uint8
@@ -279,8 +285,8 @@ def codecs(precision: MomentPrecision) -> tuple[MomentCodec, MomentCodec]:
 
 
 def table_bytes(precision: MomentPrecision) -> int:
-    """Host bytes of the tables a precision's codecs share: bf16's stochastic-rounding noise."""
-    return 4 * (NOISE_PERIOD + LARGEST_PIECE) if precision == "bf16" else 0
+    """Host bytes of the tables a precision's codecs share: the stochastic-rounding noise of bf16 and int8."""
+    return 4 * (NOISE_PERIOD + LARGEST_PIECE) if precision != "fp32" else 0
 
 
 def moment_bytes(precision: MomentPrecision, trainable: int) -> int:

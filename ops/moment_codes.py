@@ -1,16 +1,17 @@
-"""Compact Adam moments coded in one pass: 8-bit codes decoded to fp32 and encoded back, bf16 rounded stochastically.
+"""Compact Adam moments coded in one pass: 8-bit codes decoded to fp32 and encoded back, both rounded stochastically.
 
 The codes are defined by `lightning_slide.moment_codec` (`decode_piece`, `encode_piece`). 8-bit: per block of `BLOCK`
 elements an fp32 absmax scale, per element an 8-bit float code of the element over its scale (exp_avg signed, the
-square root of exp_avg_sq not), found on its fp32 bits. bf16: the fp32 bits plus 16 random bits from a fixed table
-at a position set by the step, the unit, the moment and the element, truncated. There each is a chain of torch ops,
-each a pass over the piece (the bf16 noise gathered in four more): counting each op's reads and writes, about 350
-bytes of device-memory traffic per element of an 8-bit moment update on the GPU, about 190 for bf16. Here 8-bit
-decoding reads a code and its scale and writes the fp32 value (5 bytes), encoding the reverse, and bf16 encoding
-reads the value and its noise and writes 2 bytes, with the same integer and IEEE operations (division and square
+square root of exp_avg_sq not), found on its fp32 bits. Both round with 16 random bits from a fixed table at a
+position set by the step, the unit, the moment and the element, added below the last kept bit before truncating.
+There each is a chain of torch ops, each a pass over the piece (the noise gathered in four more): counting each
+op's reads and writes, about 350 bytes of device-memory traffic per element of an 8-bit moment update on the GPU,
+about 190 for bf16. Here decoding an 8-bit moment reads a code and its scale and writes the fp32 value (5 bytes),
+encoding reads the value and its noise and writes the reverse, and bf16 encoding reads the value and its noise
+and writes 2 bytes, with the same integer and IEEE operations (division and square
 root rounded to nearest, no fused multiply-add, no flush of subnormals), so they give the codec's bits exactly; the
-tests hold them equal, edge cases included (ties, subnormals, zero and non-finite blocks, a partial last block, a
-piece whose noise starts near the table's end).
+tests hold them equal, edge cases included (values on a code, subnormals, zero and non-finite blocks, a partial
+last block, a piece whose noise starts near the table's end).
 """
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ def _decode(CODES, SCALES, OUT, n, SIGNED: tl.constexpr, SHIFT: tl.constexpr, KE
     tl.store(OUT + offs, x, mask=mask)
 
 
-def _encode(X, CODES, SCALES, n, SIGNED: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
-            ROWS: tl.constexpr):
+def _encode(X, CODES, SCALES, TABLE, n, position, SIGNED: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+            ROWS: tl.constexpr, PERIOD: tl.constexpr, PIECE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < n
+    within = offs % PIECE  # each piece of the CPU path draws from (its start + position) mod PERIOD onwards
+    noise = tl.load(TABLE + ((offs - within + position) % PERIOD + within), mask=mask, other=0)
     x = tl.load(X + offs, mask=mask, other=0.0)
     if not SIGNED:  # the root of exp_avg_sq is its own magnitude
         x = tl.sqrt_rn(x)
@@ -55,8 +58,7 @@ def _encode(X, CODES, SCALES, n, SIGNED: tl.constexpr, SHIFT: tl.constexpr, BLOC
     y = tl.math.div_rn(x, tl.where(scale < FLT_MIN, FLT_MIN, scale)[:, None]) * TWO_POW_M112
     bits = y.to(tl.int32, bitcast=True)
     magnitude = bits & 0x7FFFFFFF if SIGNED else bits
-    odd = (magnitude >> SHIFT) & 1  # round to the code's mantissa, ties to even
-    magnitude = (magnitude + odd + ((1 << (SHIFT - 1)) - 1)) >> SHIFT
+    magnitude = (magnitude + (noise << (SHIFT - 16))) >> SHIFT  # up with the dropped bits' probability
     if SIGNED:
         magnitude = magnitude | ((bits >> 24) & 0x80)
     tl.store(CODES + offs, magnitude.to(tl.uint8), mask=mask)
@@ -107,11 +109,12 @@ def decode_int8(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, si
 
 
 def encode_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool, shift: int,
-                block: int) -> None:
-    """Store fp32 `x` (n) as `codes` (uint8, n) and `scales` (one per `block` elements); `x` is left as it was."""
+                block: int, table: torch.Tensor, position: int, period: int, piece: int) -> None:
+    """Store fp32 `x` (n) as `codes` (uint8, n) and `scales` (one per `block` elements), rounded with `table`'s
+    noise as `encode_bf16` draws it; `x` is left as it was."""
     n = x.numel()
-    _encode_kernel[_grid(n, block)](x, codes, scales, n, SIGNED=signed, SHIFT=shift, BLOCK=block, ROWS=ROWS,
-                                    **_options())
+    _encode_kernel[_grid(n, block)](x, codes, scales, table, n, position, SIGNED=signed, SHIFT=shift, BLOCK=block,
+                                    ROWS=ROWS, PERIOD=period, PIECE=piece, **_options())
 
 
 def encode_bf16(x: torch.Tensor, values: torch.Tensor, table: torch.Tensor, position: int, period: int,

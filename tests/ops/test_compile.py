@@ -42,8 +42,9 @@ def _kernels(dtype: str):
         "scale": (lce._scale, [p, "*fp32", N], {"BLOCK": 4096}),
         "decode_int8": (codes._decode, ["*u8", "*fp32", "*fp32", N],
                         {"SIGNED": True, "SHIFT": 20, "KEEP": 0, "BLOCK": 256, "ROWS": codes.ROWS}),
-        "encode_int8": (codes._encode, ["*fp32", "*u8", "*fp32", N],
-                        {"SIGNED": False, "SHIFT": 20, "BLOCK": 256, "ROWS": codes.ROWS}),
+        "encode_int8": (codes._encode, ["*fp32", "*u8", "*fp32", "*i32", N, "i64"],
+                        {"SIGNED": False, "SHIFT": 20, "BLOCK": 256, "ROWS": codes.ROWS, "PERIOD": 1 << 20,
+                         "PIECE": 1 << 16}),
         "encode_bf16": (codes._encode_bf16, ["*fp32", "*i16", "*i32", N, "i64"],
                         {"PERIOD": 1 << 20, "PIECE": 1 << 16, "BLOCK": codes.BF16_BLOCK}),
     }

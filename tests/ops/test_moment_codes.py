@@ -18,8 +18,9 @@ IDS = ["exp_avg", "exp_avg_sq"]
 
 
 def _moment(moment: int, n: int, device: str) -> torch.Tensor:
-    """Magnitudes over 40 decades in random order (subnormals and blocks of very unequal elements included), ties
-    between codes (simple fractions of the block's absmax), a zero block, and a partial last block."""
+    """Magnitudes over 40 decades in random order (subnormals and blocks of very unequal elements included), values
+    on and halfway between codes (simple fractions of the block's absmax), a zero block, and a partial last
+    block."""
     g = torch.Generator().manual_seed(n + moment)
     x = torch.randn(n, generator=g) * torch.logspace(-40, 2, n)[torch.randperm(n, generator=g)]
     x[:BLOCK] = torch.arange(BLOCK) / 64.0 - 2.0  # multiples of 1/64 of the absmax: many ties
@@ -28,30 +29,40 @@ def _moment(moment: int, n: int, device: str) -> torch.Tensor:
     return (x if moment == 0 else x.square()).to(device)
 
 
-def _encode_reference(x: torch.Tensor, moment: int) -> tuple[torch.Tensor, torch.Tensor]:
-    codec, n, x = Int8Codec(moment), x.numel(), x.clone()
+PIECE = 2 * BLOCK  # the CPU path's pieces here: each draws its rounding noise from its own position on
+
+
+def _encode_reference(x: torch.Tensor, moment: int, position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codec's torch ops, piece by piece as the CPU path runs them."""
+    codec, n = Int8Codec(moment), x.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-n // BLOCK), device=x.device)
-    work = torch.empty(2, n, dtype=torch.int32, device=x.device)
-    encode_piece("int8", x, x.view(torch.int32), codes, scales, work, *work_views(work), moment == 0, codec.shift,
-                 BLOCK, torch.empty(0, dtype=torch.int32), 0)
+    table = codec.noise.to(x.device)
+    for a in range(0, n, PIECE):
+        part = x[a : a + PIECE].clone()
+        work = torch.empty(2, part.numel(), dtype=torch.int32, device=x.device)
+        piece_scales = scales[a // BLOCK :][: -(-part.numel() // BLOCK)]
+        encode_piece("int8", part, part.view(torch.int32), codes[a : a + PIECE], piece_scales, work, *work_views(work),
+                     moment == 0, codec.shift, BLOCK, table, (position + a) % NOISE_PERIOD)
     return codes, scales
 
 
-def _encode(x: torch.Tensor, moment: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode(x: torch.Tensor, moment: int, position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-x.numel() // BLOCK), device=x.device)
-    encode_int8(x, codes, scales, moment == 0, Int8Codec(moment).shift, BLOCK)
+    encode_int8(x, codes, scales, moment == 0, Int8Codec(moment).shift, BLOCK, Int8Codec(moment).noise.to(x.device),
+                position, NOISE_PERIOD, PIECE)
     return codes, scales
 
 
 @pytest.mark.parametrize("moment", MOMENTS, ids=IDS)
 @pytest.mark.parametrize("n", [7 * BLOCK, 40 * BLOCK + 37], ids=["whole-blocks", "partial-last-block"])
-def test_encoding_gives_the_codecs_codes_and_scales(moment, n, device):
+@pytest.mark.parametrize("position", [0, NOISE_PERIOD - 300], ids=["start", "near-the-tables-end"])
+def test_encoding_gives_the_codecs_codes_and_scales(moment, n, position, device):
     x = _moment(moment, n, device)
     before = x.clone()
-    codes, scales = _encode(x, moment)
-    expected_codes, expected_scales = _encode_reference(x, moment)
+    codes, scales = _encode(x, moment, position)
+    expected_codes, expected_scales = _encode_reference(x, moment, position)
     assert torch.equal(codes, expected_codes)
     assert torch.equal(scales.view(torch.int32), expected_scales.view(torch.int32))
     assert torch.equal(x, before)  # the input is left as it was
