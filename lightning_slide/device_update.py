@@ -34,6 +34,7 @@ from lightning_slide.moment_codec import (
     Packed,
     noise_position,
     scripted,
+    table_bytes,
     work_views,
 )
 from lightning_slide.pinned import pin_, unpin_
@@ -164,7 +165,7 @@ class DeviceUpdater:
     def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool) -> int:
         """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
         says)."""
-        table = 4 * (NOISE_PERIOD + piece) if precision != "fp32" else 0
+        table = table_bytes(precision)  # the host table, copied up whole
         return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels) + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
