@@ -74,8 +74,9 @@ class SlideConfig:
         weights stay fp32 whatever this is. "fp32": exactly torch's AdamW (8 B/param of moments); "bf16": bf16
         moments rounded stochastically on each write-back (4 B/param); "int8": bitsandbytes-style blockwise
         dynamic 8-bit moments, one absmax scale per 256 elements, rounded stochastically (2 B/param). Given the
-        moments as stored, each update of the master is torch's AdamW's; only the moments lose precision. For runs that host RAM (or
-        the disk tier) limits: at 8B, host state drops from 12 to 6 B/param with "int8". Compact moments
+        moments as stored, each update of the master is torch's AdamW's; only the moments lose precision. For
+        runs that host RAM (or the disk tier) limits: at 8B, host state drops from 12 to 6 B/param with "int8".
+        Compact moments
         support Adam and AdamW without amsgrad; checkpoints hold them compact and load into a run of any
         moment_precision (converted where the precision differs). On CUDA, compact moments in RAM are updated
         on the GPU (page-locked, copied up and back per chunk; `device_update`), elsewhere by a CPU thread pool.
