@@ -76,10 +76,9 @@ class SlideConfig:
         dynamic 8-bit moments, one absmax scale per 256 elements, rounded stochastically (2 B/param). Given the
         moments as stored, each update of the master is torch's AdamW's; only the moments lose precision. For
         runs that host RAM (or the disk tier) limits: at 8B, host state drops from 12 to 6 B/param with "int8".
-        Compact moments
-        support Adam and AdamW without amsgrad; checkpoints hold them compact and load into a run of any
-        moment_precision (converted where the precision differs). On CUDA, compact moments in RAM are updated
-        on the GPU (page-locked, copied up and back per chunk; `device_update`), elsewhere by a CPU thread pool.
+        Compact moments support Adam and AdamW without amsgrad; checkpoints hold them compact and load into a run
+        of any moment_precision (converted where the precision differs). On CUDA, compact moments in RAM are
+        updated on the GPU (page-locked, copied up and back per chunk; `device_update`), elsewhere by a CPU thread pool.
     gpu_update_blocks: with fp32 moments on CUDA, how many decoder blocks (the first ones, whose updates end a
         step's backward) have their AdamW run on the GPU instead of the CPU: their master and moments are
         page-locked and go up and back per update (24 bytes/param of PCIe), the gradient never leaves the GPU,
