@@ -23,6 +23,7 @@ SYSTEMS = {
     "slide": "lightning-slide",
 }
 OFFLOAD_SYSTEMS = ("ds2", "ds3", "slide")
+CEILINGS = ("ceiling", "ceiling-recompute")  # bf16 forward + backward alone, the GPU's most per token
 NVME_PATH = "/tmp/lsbench-nvme"  # the disk tier's folder: any local disk (emptied before and after a case)
 Settings = tuple[tuple[str, object], ...]
 Grow = Literal["micro_batch", "seq_len"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.build import build_model, fill_normal_, random_tokens
-from benchmarks.cases import Case
+from benchmarks.cases import CEILINGS, Case
 from benchmarks.models import MODELS
 from benchmarks.timing import WindowClock
 
@@ -94,7 +94,7 @@ def _with_kernels(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 def make_step(case: Case, device: torch.device, seq_len: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """Build the case's model on the device and return its training step (for timed runs and ladders)."""
-    ceiling = case.system in ("ceiling", "ceiling-recompute")
+    ceiling = case.system in CEILINGS
     model = _with_kernels(build_model(MODELS[case.model], seq_len, device,
                                       torch.bfloat16 if ceiling else torch.float32), device)
     if case.system == "ceiling-recompute":

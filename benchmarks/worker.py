@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cases import CASES, Case
+from benchmarks.cases import CASES, CEILINGS, Case
 from benchmarks.ladder import write_json
 
 GIB = float(1 << 30)
@@ -43,7 +43,7 @@ def _measure(case: Case, device: torch.device) -> dict:
         from benchmarks.loops import run_probe
 
         return run_probe(case, device)
-    if case.system in ("ceiling", "ceiling-recompute", "plain"):
+    if case.system in (*CEILINGS, "plain"):
         from benchmarks.loops import run_timed
 
         return run_timed(case, device)
