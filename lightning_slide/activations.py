@@ -1,8 +1,11 @@
 """Sliding activations: each unit keeps only its input for the backward, on the device, in pinned RAM, or on disk.
 
 Off the device, the input is copied out on the d2h lane right after the unit's forward and copied back on
-the h2d lane while the next-later unit runs its backward. In RAM, host buffers are pooled by position in the
-forward pass, so steady-state steps allocate no pinned memory. On disk (offload="nvme"), a few staging
+the h2d lane while the next-later unit runs its backward; an input in RAM of LATE_PREFETCH_BYTES or more is
+copied back once that backward is done instead, so that its peak does not hold it too: the copy of 1.5 GiB
+(Llama-3.2-3B at 262,144 tokens) takes ~30 ms at PCIe's rate, against seconds of a block's backward there.
+In RAM, host buffers are pooled by position in the forward pass, so steady-state steps allocate no pinned
+memory. On disk (offload="nvme"), a few staging
 buffers hold each input on its way to its file region and back: writes go behind the forward, and when the
 backward starts every input is read ahead in the order the backward will want them. The staging buffers are
 pinned host memory, or GPU memory when the disk tier moves device memory directly (`tiers.direct_io`):
@@ -22,6 +25,7 @@ from lightning_slide.threads import Failure
 from lightning_slide.tiers import Region, Spill, TierDirectory, align
 
 DISK_BUFFERS = 4  # pinned staging buffers of the disk path: in flight to or from the disk at once
+LATE_PREFETCH_BYTES = 1 << 30  # a saved input in RAM this large comes back after the backward before its own
 OFFLOAD_SHARE = 0.5  # the share of the free GPU memory saved inputs may take before "auto" offloads them
 
 
@@ -85,6 +89,11 @@ class Saved:
         if not source.is_cuda:  # PCIe bytes (a direct disk read already landed in GPU memory)
             store.bytes_in += self._value.numel() * self._value.element_size()
 
+    @property
+    def late(self) -> bool:
+        """Whether this input comes back only after the backward that precedes its own (`prefetches_late`)."""
+        return self._host is not None and ActivationStore.prefetches_late(self._host.tensor.nbytes, "cpu")
+
     def get(self) -> torch.Tensor:
         self.prefetch()
         self._store.compute.wait(self._arrived)
@@ -128,10 +137,18 @@ class ActivationStore:
         return needed > OFFLOAD_SHARE * gpu_free
 
     @staticmethod
-    def in_flight_bytes(input_bytes: int, offloaded: bool) -> int:
+    def prefetches_late(input_bytes: int, where: str) -> bool:
+        """Inputs waiting in RAM ("cpu") of at least LATE_PREFETCH_BYTES are prefetched after the backward before
+        their own, not during it (a disk read, much slower, still starts early)."""
+        return where == "cpu" and input_bytes >= LATE_PREFETCH_BYTES
+
+    @classmethod
+    def in_flight_bytes(cls, input_bytes: int, where: str) -> int:
         """Hidden states on the device besides the saved ones: a part's input and output; with the inputs
-        offloaded, also the input being prefetched and the one being copied out."""
-        return (4 if offloaded else 2) * input_bytes
+        offloaded, also the one being copied out, and the input being prefetched unless it comes back late."""
+        if where == "device":
+            return 2 * input_bytes
+        return (3 if cls.prefetches_late(input_bytes, where) else 4) * input_bytes
 
     @staticmethod
     def region_bytes(input_bytes: int) -> int:

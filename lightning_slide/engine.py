@@ -192,8 +192,9 @@ class SlideEngine:
     def _prepare_model(self) -> None:
         """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training.
 
-        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits), and the MLPs
-        that `mlp_tile_tokens` tiles (on any device with an int), so that the engine wraps the patched modules.
+        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits; long attention
+        runs over groups of heads), and the MLPs that `mlp_tile_tokens` tiles (on any device with an int), so that
+        the engine wraps the patched modules.
         """
         checkpointing = "is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing") else (
             "is_gradient_checkpointing")  # the older name (a deprecation warning where both exist)
@@ -210,7 +211,7 @@ class SlideEngine:
             if kernels or ops.supports(self.model):
                 self._kernels = ops.patch(self.model, rms_norm=kernels, rope=kernels, swiglu=kernels,
                                           cross_entropy=kernels, chunk_mib=self.config.loss_chunk_mib,
-                                          mlp_tile_tokens=tiles)
+                                          mlp_tile_tokens=tiles, grouped_attention=kernels)
 
     def _part(self, unit: int, module: nn.Module, owner: dict[int, int], group_of: dict[int, int]) -> Part:
         """Every parameter use inside one intercepted module, located in its owner unit's buffer."""

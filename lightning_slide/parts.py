@@ -181,12 +181,18 @@ class Call:
         for s in self.saved:
             s.prefetch()
 
+    @property
+    def prefetches_late(self) -> bool:
+        """Whether this call's saved inputs come back after the next-later call's backward (`Saved.late`)."""
+        return any(s.late for s in self.saved)
+
     def backward(self, grad_outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
         host, part = self.host, self.part
         slots = host.enter(part, -1)
         self.prefetch()  # own inputs first: saved inputs come back in exactly the reverse order of saving
         prev = self.prev() if self.prev is not None else None
-        if prev is not None:
+        early = prev is not None and not prev.prefetches_late
+        if early:
             prev.prefetch()
         out = self._graph_again(slots)
         pairs = [
@@ -199,6 +205,8 @@ class Call:
         )
         host.store_grads(part, self.trainable, grads[len(self.inputs) :])
         host.leave(part, slots, -1)
+        if prev is not None and not early:
+            prev.prefetch()
         self.saved, self.leaves, self.inputs, self.trainable, self.weights, self.views = [], [], [], [], {}, None
         return list(grads[: len(self.grad_positions)])
 

@@ -410,10 +410,10 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
     if where == "device":
         remedy = "activations='cpu' or a smaller micro_batch" if setup.cuda else "a smaller micro_batch"
         return [Entry(f"saved part inputs ({shape.saves})", setup.on_device, acts, remedy),
-                Entry("hidden states in flight", setup.on_device, ActivationStore.in_flight_bytes(hidden, False),
+                Entry("hidden states in flight", setup.on_device, ActivationStore.in_flight_bytes(hidden, where),
                       "a smaller micro_batch")]
     in_flight = Entry("hidden states in flight + prefetched inputs", setup.on_device,
-                      ActivationStore.in_flight_bytes(hidden, True), "a smaller micro_batch")
+                      ActivationStore.in_flight_bytes(hidden, where), "a smaller micro_batch")
     if where == "nvme":
         return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk",
                       ActivationStore.disk_bytes_for(shape.saves, hidden), "a smaller micro_batch or seq_len"),
@@ -453,12 +453,13 @@ def _disk_staging(setup: Setup, hidden: int) -> Entry:
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     """Transient memory of recomputing the costliest unit (a decoder block or the loss head) in its backward:
-    a block's graph and, with its MLP tiled, one tile's buffers (`graphs.block_workspace_bytes`), and its weight
-    gradients, which exist once more before the engine copies them into the slot; or the head's
-    (`graphs.head_workspace`)."""
+    a block's graph and, with its MLP tiled, one tile's buffers (`graphs.block_workspace_bytes`), less what its
+    attention's backward holds less over groups of heads (with the kernels), and its weight gradients, which
+    exist once more before the engine copies them into the slot; or the head's (`graphs.head_workspace`)."""
     tile = _mlp_tile(shape, setup, tokens)
     block = block_workspace_bytes(tokens, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
                                   shape.intermediate, setup.compute_bytes, _kernels(setup), tile and tile[1])
+    block -= _grouped_attention_saving(shape, setup, tokens)
     block += Slot.bytes_for(max((u.numel for u in shape.units if not u.dedicated), default=0), setup.dtype)
     head = head_workspace(tokens, shape.hidden, shape.vocab, setup.compute_bytes,
                           int(setup.config.loss_chunk_mib * 2**20) if _kernels(setup) else None)
@@ -468,6 +469,15 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
 
 def _kernels(setup: Setup) -> bool:
     return setup.cuda and setup.config.use_kernels
+
+
+def _grouped_attention_saving(shape: ModelShape, setup: Setup, tokens: int) -> int:
+    """With the kernels, long attention runs over groups of heads (`ops.grouped_attention`, `ops.patch`)."""
+    if not _kernels(setup):
+        return 0
+    from lightning_slide.ops.grouped_attention import workspace_saving
+
+    return workspace_saving(tokens, shape.heads, shape.kv_heads, shape.head_dim, setup.compute_bytes)
 
 
 def _mlp_tile(shape: ModelShape, setup: Setup, tokens: int) -> tuple[int, int] | None:

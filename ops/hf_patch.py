@@ -6,6 +6,9 @@ What changes, and why this way:
   only for the duration of that module's call still works). `isinstance` checks keep passing.
 - MLPs whose projections are plain bias-free `nn.Linear`s also run over sequence tiles for long
   micro-batches (`tiled_mlp`, `mlp_tile_tokens`); a PEFT adapter in a projection leaves its MLP untiled.
+- Attention modules change class the same way: where a call records a graph over enough tokens that
+  FlashAttention's backward buffers would be large (`grouped_attention.kv_heads_per_group`), their SDPA
+  call runs a group of key/value heads at a time (`grouped_attention`); shorter calls run as they did.
 - `apply_rotary_pos_emb` is replaced in the model's modeling module, where HF's attention looks
   it up. That name is process-wide: it is reference-counted across patched models and restored
   when the last one is unpatched. Models of the same family that were not patched see the kernel
@@ -28,6 +31,7 @@ from torch import nn
 
 from .cross_entropy import CHUNK_MIB, IGNORE_INDEX, LinearCrossEntropyHead
 from .glu import swiglu
+from .grouped_attention import GroupedSDPA, kv_heads_per_group
 from .norm import rms_norm
 from .rotary import apply_rotary_pos_emb
 from .tiled_mlp import TileSetting, check_tile_setting, compute_itemsize, tile_for, tiled_mlp
@@ -64,6 +68,25 @@ class _TiledMLP:
         if tile is None:
             return super().forward(x)
         return tiled_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, tile)
+
+
+class _GroupedHeadsAttention:
+    """Forward of an HF attention module whose SDPA call runs over groups of key/value heads where
+    `kv_heads_per_group` groups a call of this many tokens, else the forward it had."""
+
+    prefix = "Grouped"
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        group = None
+        if torch.is_grad_enabled():
+            heads = self.config.num_attention_heads
+            group = kv_heads_per_group(hidden_states.numel() // hidden_states.shape[-1], heads,
+                                       heads // self.num_key_value_groups, self.head_dim,
+                                       compute_itemsize(hidden_states))
+        if group is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        with GroupedSDPA(group):
+            return super().forward(hidden_states, *args, **kwargs)
 
 
 _subclasses: dict[tuple[type, type], type] = {}
@@ -112,6 +135,12 @@ def _is_tileable(m: nn.Module) -> bool:
     """A SwiGLU MLP of plain bias-free projections: what `tiled_mlp` computes from their weights alone."""
     return _is_swiglu_mlp(m) and all(type(getattr(m, n)) is nn.Linear and getattr(m, n).bias is None
                                      for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _is_attention(m: nn.Module) -> bool:
+    """An HF attention module of a supported family: heads from its config, `num_key_value_groups` and `head_dim`."""
+    return (_family(m) is not None and type(m).__name__.endswith("Attention")
+            and all(hasattr(m, n) for n in ("config", "num_key_value_groups", "head_dim")))
 
 
 def _tile_mlp(m: nn.Module, setting: TileSetting) -> list[Callable[[], None]]:
@@ -225,10 +254,15 @@ class PatchHandle:
 
 
 def _patch_modules(model: nn.Module, counts: dict[str, int], rms_norm: bool, swiglu: bool,
-                   mlp_tile_tokens: TileSetting, tiled: list[nn.Module]) -> list[Callable[[], None]]:
-    """Swap the RMSNorm and MLP modules' classes; counts what changed and collects the tiled MLPs."""
+                   mlp_tile_tokens: TileSetting, tiled: list[nn.Module],
+                   grouped_attention: bool) -> list[Callable[[], None]]:
+    """Swap the RMSNorm, MLP and attention modules' classes; counts what changed and collects the tiled MLPs."""
     undo: list[Callable[[], None]] = []
     for m in model.modules():
+        if grouped_attention and _is_attention(m):
+            undo.append(_swap_class(m, _subclass(_GroupedHeadsAttention, type(m))))
+            counts["grouped_attention"] += 1
+            continue
         if rms_norm and _is_rms_norm(m):
             undo.append(_swap_class(m, _subclass(_KernelRMSNorm, type(m))))
             counts["rms_norm"] += 1
@@ -251,12 +285,14 @@ def supports(model: nn.Module) -> bool:
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
           cross_entropy: bool = True, softcap: float | None = None, z_loss_weight: float = 0.0,
-          chunk_mib: float = CHUNK_MIB, mlp_tile_tokens: TileSetting = "auto") -> PatchHandle:
+          chunk_mib: float = CHUNK_MIB, mlp_tile_tokens: TileSetting = "auto",
+          grouped_attention: bool = True) -> PatchHandle:
     """Swap the kernels into `model` (before any runtime wraps its modules); returns the handle.
 
     `softcap` and `z_loss_weight` apply to the fused loss (off by default: Llama, Qwen and
     Mistral train without them). `mlp_tile_tokens` is when MLPs run over sequence tiles
-    (`tiled_mlp.tile_for`: "auto", tokens per tile, or None for never). Raises for a model outside
+    (`tiled_mlp.tile_for`: "auto", tokens per tile, or None for never). `grouped_attention` lets long
+    attention calls run over groups of heads (`grouped_attention.kv_heads_per_group`). Raises for a model outside
     the supported families.
     """
     if not supports(model):
@@ -265,9 +301,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     if _HANDLE_ATTR in model.__dict__:
         raise RuntimeError("model is already patched; call ops.unpatch(model) first")
     check_tile_setting(mlp_tile_tokens)
-    counts = {"rms_norm": 0, "swiglu": 0, "tiled_mlp": 0, "rope": 0, "cross_entropy": 0}
+    counts = {"rms_norm": 0, "swiglu": 0, "tiled_mlp": 0, "grouped_attention": 0, "rope": 0, "cross_entropy": 0}
     tiled: list[nn.Module] = []
-    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens, tiled)
+    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens, tiled, grouped_attention)
     if rope:
         modelings = {sys.modules[type(m).__module__] for m in model.modules() if _family(m)}
         for modeling in modelings:

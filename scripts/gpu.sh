@@ -9,8 +9,9 @@
 #   bash scripts/gpu.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #                                                                                   -> results/capacity/
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
-#   bash scripts/gpu.sh long    the tiled MLP's GPU tests, one block tiled and untiled (benchmarks/tiled_block.py:
-#                                       the cost of 8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
+#   bash scripts/gpu.sh long    the tiled MLP's and grouped attention's GPU tests, one block tiled and untiled,
+#                                       attention grouped and in one call (benchmarks/tiled_block.py: the cost of
+#                                       8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
 #                                       `long` ladders: 8B at 65,536 and 131,072 tokens, 3B at 196,608 and 262,144
 #                                       (about 7 minutes; CASES=llama3_3b-cap24-slide-cpu-tiles-auto-max-seq runs
 #                                       the 3B one alone)                                   -> results/long/
@@ -111,8 +112,8 @@ case "${1:-check}" in
       | tail -60 > "$OUT/packing.log"; tail -20 "$OUT/packing.log"
     ;;
   long)
-    timeout 150 python3 -m pytest -q tests/ops/test_tiled_mlp.py tests/ops/test_gpu.py -k tiled_mlp \
-      -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_tiled.log" | tail -5
+    timeout 150 python3 -m pytest -q tests/ops/test_tiled_mlp.py tests/ops/test_grouped_attention.py \
+      tests/ops/test_gpu.py -k "tiled_mlp or attention" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_tiled.log" | tail -5
     timeout 200 python3 -m benchmarks.tiled_block --out "$OUT" 2>&1 | tail -8
     # the allocator's expandable segments: 8B at 131,072 tokens plans to within 0.4 GiB of the cap
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.run --cases "${CASES:-long}" \

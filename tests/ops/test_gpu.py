@@ -215,3 +215,50 @@ def test_bf16_rounding_compiled_gives_the_codecs_bits_over_a_device_updater_chun
         encode_piece("bf16", part, part.view(torch.int32), expected[a : a + piece], None, torch.empty(0), part,
                      part.double(), False, 0, 256, table, (start + a) % NOISE_PERIOD)
     assert torch.equal(values.view(torch.int16), expected.view(torch.int16))
+
+
+def _attention_problem(tokens: int, heads: int = 24, kv_heads: int = 8, head_dim: int = 128):
+    q = torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    return q, k, v
+
+
+def test_grouped_attention_matches_sdpa_at_llama3_3b_heads():
+    """16,384 causal tokens, 24 query heads over 8 key/value heads, one key/value head a group, against SDPA in
+    fp32 (its memory-efficient kernel) on the same bf16 inputs, and against SDPA in bf16 (flash) closely."""
+    from lightning_slide.ops.grouped_attention import attention_reference, grouped_attention
+
+    q, k, v = _attention_problem(16384)
+    dout = torch.randn(1, 24, 16384, 128, device="cuda", dtype=torch.bfloat16)
+    got = (grouped_attention(q, k, v, True, None, 1), )
+    got += torch.autograd.grad(got[0], (q, k, v), dout)
+    ref32 = [_leaf(t, torch.float32) for t in (q, k, v)]
+    want = (attention_reference(*ref32, True), )
+    want += torch.autograd.grad(want[0], ref32, dout.float())
+    bf16 = (attention_reference(q, k, v, True), )
+    bf16 += torch.autograd.grad(bf16[0], (q, k, v), dout)
+    for a, b, c in zip(got, want, bf16):
+        assert _rel(a, b) < BF16_REL and _rel(a, c) < 2e-3
+
+
+def test_grouped_attention_s_backward_holds_gibs_less_than_sdpa_s_at_65536_tokens():
+    """Llama-3.2-3B's heads at 65,536 tokens: SDPA's flash backward holds 1.5 GiB of fp32 query accumulator and
+    expanded key/value gradients that the grouped backward holds for one key/value head only."""
+    from lightning_slide.ops.grouped_attention import attention_reference, group_bytes, grouped_attention
+
+    def backward_peak(attention) -> int:
+        q, k, v = _attention_problem(65536)
+        out = attention(q, k, v)
+        dout = torch.randn_like(out)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    grouped = backward_peak(lambda q, k, v: grouped_attention(q, k, v, True, None, 1))
+    ungrouped = backward_peak(lambda q, k, v: attention_reference(q, k, v, True))
+    assert grouped <= 2.5 * 2**30 * 65536 / 262144 + group_bytes(65536, 24, 8, 128, 2, 1)  # gradients + a group
+    assert ungrouped - grouped >= 1.0 * 2**30

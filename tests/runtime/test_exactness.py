@@ -69,6 +69,22 @@ def test_fp32_matches_adamw_when_updates_overlap_the_backward(settings):
     assert relative_difference(expected, got.model) <= 1e-6
 
 
+def test_fp32_matches_adamw_when_saved_inputs_come_back_only_after_the_backward_before_theirs(monkeypatch):
+    """Inputs in RAM of LATE_PREFETCH_BYTES or more (here every one) are copied back after the next-later part's
+    backward instead of during it."""
+    import lightning_slide.activations as activations
+    from lightning_slide.parts import Call
+
+    monkeypatch.setattr(activations, "LATE_PREFETCH_BYTES", 0)
+    late = []
+    monkeypatch.setattr(Call, "prefetches_late", property(lambda call: late.append(call.part.unit) or True))
+    model, batches = tiny_model("qwen2-tied"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS)
+    got = fit(model, batches, SlideStrategy(activations="cpu"), STEPS)
+    assert relative_difference(expected, got.model) <= 1e-6
+    assert late and activations.ActivationStore.prefetches_late(1, "cpu")
+
+
 @pytest.mark.parametrize(
     "settings", [dict(), dict(recompute="never", slots=2)], ids=["recomputed", "kept-graphs-two-slots"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

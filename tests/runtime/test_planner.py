@@ -385,12 +385,15 @@ def _workspace(plan: Plan) -> int:
     return next(e.bytes for e in plan.entries if e.what.startswith("compute workspace"))
 
 
-def test_a_tiled_mlp_bounds_the_blocks_workspace_by_its_tile_not_the_sequence():
+def test_a_tiled_mlp_bounds_the_blocks_workspace_by_its_tile_not_the_sequence(monkeypatch):
     """On CUDA "auto" tiles Llama-3.1-8B's MLP past 1 GiB per intermediate tensor: doubling the sequence then adds
     the block's other per-token terms and at most a change of tile size (tiles of at most 256 MiB per buffer),
-    and the MLP's intermediates (four per token) are gone."""
+    and the MLP's intermediates (four per token) are gone. (Attention in one call, as at up to 32,768 tokens.)"""
+    import lightning_slide.ops.grouped_attention as grouped
     from lightning_slide.graphs import block_graph_per_token
     from lightning_slide.ops.tiled_mlp import TILE_MIB, TILE_TENSORS
+
+    monkeypatch.setattr(grouped, "UNGROUPED_MIB", 1 << 40)
 
     shape, tiles_at_most = _llama_8b(), TILE_TENSORS * TILE_MIB * 2**20
     tiled, untiled = Setup(SlideConfig()), Setup(SlideConfig(mlp_tile_tokens=None))
@@ -401,6 +404,30 @@ def test_a_tiled_mlp_bounds_the_blocks_workspace_by_its_tile_not_the_sequence():
     assert saved >= 0.75 * 131072 * 4 * 14336 * 2 - tiles_at_most
     short = (_workspace(Plan.estimate(shape, s, 1, 32768)) for s in (tiled, untiled))
     assert len(set(short)) == 1  # below the threshold "auto" leaves the MLP untiled
+
+
+def test_long_attention_over_groups_of_heads_leaves_all_but_one_groups_flash_buffers_off_the_workspace(monkeypatch):
+    """Llama-3.1-8B at one 131,072-token sequence: the flash backward's fp32 query accumulator and expanded
+    key/value gradients of 32 heads (4 GiB) are planned for one key/value head's 4 query heads instead."""
+    import lightning_slide.ops.grouped_attention as grouped
+
+    shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"))
+    with_groups = _workspace(Plan.estimate(shape, setup, 1, 131072))
+    saving = grouped.workspace_saving(131072, 32, 8, 128, 2)
+    assert saving == 4 * GiB - grouped.group_bytes(131072, 32, 8, 128, 2, 1) > 3 * GiB
+    monkeypatch.setattr(grouped, "UNGROUPED_MIB", 1 << 40)
+    assert _workspace(Plan.estimate(shape, setup, 1, 131072)) - with_groups == saving
+    assert _workspace(Plan.estimate(shape, Setup(SlideConfig(activations="cpu", use_kernels=False)), 1, 131072)) > (
+        with_groups + saving)  # without the kernels nothing is grouped
+
+
+@pytest.mark.parametrize("micro_batch, seq_len, prefetched", [(8, 1024, True), (1, 131072, False)])
+def test_a_saved_input_in_ram_of_a_gib_or_more_is_planned_to_come_back_after_the_peak_it_would_add_to(
+        micro_batch, seq_len, prefetched):
+    """Inputs in RAM come back during the backward before their own; from 1 GiB (8B at 131,072 tokens) after it."""
+    plan = Plan.estimate(_llama_8b(), Setup(SlideConfig(activations="cpu")), micro_batch, seq_len)
+    entry = next(e for e in plan.entries if e.what.startswith("hidden states in flight"))
+    assert entry.bytes == (4 if prefetched else 3) * micro_batch * seq_len * 4096 * 2
 
 
 @pytest.mark.parametrize("micro_batch, seq_len, tiled", [(64, 1024, False), (1, 131072, True)])
