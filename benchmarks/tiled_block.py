@@ -5,7 +5,9 @@ The engine runs each block three times a step: a forward under no-grad, then in 
 records the graph (the recompute) and the backward through it. This times those three (median of CUDA-event
 timings) for one Llama block of a real shape with the `ops` kernels patched in, at long sequences, with
 `mlp_tile_tokens="auto"` (tiles of FORCED tokens where "auto" would leave the MLP untiled) against None
-(untiled), at lengths where `ops.grouped_attention` groups heads also tiled with attention in one call, and measures the peak memory above the block's weights, its input and the output gradient
+(untiled), each with attention over groups of heads (`ops.grouped_attention`, where it groups at all), and
+tiled with attention in one call, and measures the peak memory above the block's weights, its input and the
+output gradient
 (`transient_gib`: what the planner's compute workspace must cover besides the weight gradients, which are
 `weight_grads_gib`), beside the planner's per-token model (`planned_gib`, from `lightning_slide.graphs`). One
 JSON object per case goes to `--out/tiled_block.jsonl`; an out-of-memory case is recorded with its error.

@@ -192,9 +192,9 @@ class SlideEngine:
     def _prepare_model(self) -> None:
         """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training.
 
-        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits; long attention
-        runs over groups of heads), and the MLPs that `mlp_tile_tokens` tiles (on any device with an int), so that
-        the engine wraps the patched modules.
+        On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits; attention over
+        groups of heads waits for `group_attention`), and the MLPs that `mlp_tile_tokens` tiles (on any device
+        with an int), so that the engine wraps the patched modules.
         """
         checkpointing = "is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing") else (
             "is_gradient_checkpointing")  # the older name (a deprecation warning where both exist)
@@ -211,7 +211,7 @@ class SlideEngine:
             if kernels or ops.supports(self.model):
                 self._kernels = ops.patch(self.model, rms_norm=kernels, rope=kernels, swiglu=kernels,
                                           cross_entropy=kernels, chunk_mib=self.config.loss_chunk_mib,
-                                          mlp_tile_tokens=tiles, grouped_attention=kernels)
+                                          mlp_tile_tokens=tiles, grouped_attention=False)
 
     def _part(self, unit: int, module: nn.Module, owner: dict[int, int], group_of: dict[int, int]) -> Part:
         """Every parameter use inside one intercepted module, located in its owner unit's buffer."""
@@ -317,9 +317,15 @@ class SlideEngine:
 
     def tile_mlps(self, setting: int | None) -> None:
         """Run the patched MLPs untiled (None) or in tiles of `setting` tokens: a runtime that plans memory per
-        micro-batch decides `mlp_tile_tokens="auto"` this way (`planner.resolve_mlp_tiles`)."""
+        micro-batch decides `mlp_tile_tokens="auto"` this way (`planner.resolve_batch_setup`)."""
         if self._kernels is not None:
             self._kernels.tile_mlps(setting)
+
+    def group_attention(self, on: bool) -> None:
+        """Let long attention run over groups of heads (`ops.grouped_attention`): a runtime that plans memory per
+        micro-batch turns it on where the micro-batch does not fit without (`planner.resolve_batch_setup`)."""
+        if self._kernels is not None:
+            self._kernels.group_attention(on)
 
     # ------------------------------------------------------------------------------ the step protocol
     def new_micro_batch(self, tokens: int | None = None) -> None:

@@ -39,7 +39,7 @@ from lightning_slide.planner import (
     fit_moments,
     plan_for_run,
     resident_bytes,
-    resolve_mlp_tiles,
+    resolve_batch_setup,
 )
 from lightning_slide.precision import SlidePrecision
 from lightning_slide.step_mode import StepMode
@@ -266,12 +266,15 @@ class SlideStrategy(SingleDeviceStrategy):
         self._checked_tokens = tokens[0] * tokens[1]
         resources = Resources.probe(self.root_device)
         gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
-        runs, needs = resolve_mlp_tiles(self.plan, shape, setup, *tokens, resources, gpu_free)
+        runs, needs = resolve_batch_setup(self.plan, shape, setup, *tokens, resources, gpu_free)
         decided = ""
-        if runs is not setup:  # "auto", decided for this size
+        if runs.config.mlp_tile_tokens != setup.config.mlp_tile_tokens:  # "auto", decided for this size
             tiles = runs.config.mlp_tile_tokens
             self.engine.tile_mlps(tiles)
             decided = f"\n  mlp_tile_tokens='auto': {'untiled' if tiles is None else f'tiles of {tiles} tokens'}"
+        self.engine.group_attention(runs.grouped_attention)
+        if runs.grouped_attention:
+            decided += "\n  attention over groups of key/value heads (it does not fit in one call)"
         whole = Plan(self.plan.entries + needs.entries)
         peak = whole.peak_rss(replace(resources, process=self._process_bytes))
         rank_zero_info(f"micro-batch of {tokens[0]} x {tokens[1]} tokens: " + needs.describe()

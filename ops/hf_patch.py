@@ -6,9 +6,12 @@ What changes, and why this way:
   only for the duration of that module's call still works). `isinstance` checks keep passing.
 - MLPs whose projections are plain bias-free `nn.Linear`s also run over sequence tiles for long
   micro-batches (`tiled_mlp`, `mlp_tile_tokens`); a PEFT adapter in a projection leaves its MLP untiled.
-- Attention modules change class the same way: where a call records a graph over enough tokens that
-  FlashAttention's backward buffers would be large (`grouped_attention.kv_heads_per_group`), their SDPA
-  call runs a group of key/value heads at a time (`grouped_attention`); shorter calls run as they did.
+- Attention modules change class the same way: with `grouped_attention` on, where a call records a graph
+  over enough tokens that FlashAttention's backward buffers would be large
+  (`grouped_attention.kv_heads_per_group`), their SDPA call runs a group of key/value heads at a time
+  (`grouped_attention`); shorter calls run as they did. It saves GiBs at long sequences but runs ATen's
+  flash kernels, where SDPA may pick faster ones (cuDNN's on an H200), so a runtime that plans memory
+  turns it on only where a micro-batch needs it (`PatchHandle.group_attention`).
 - `apply_rotary_pos_emb` is replaced in the model's modeling module, where HF's attention looks
   it up. That name is process-wide: it is reference-counted across patched models and restored
   when the last one is unpatched. Models of the same family that were not patched see the kernel
@@ -72,13 +75,14 @@ class _TiledMLP:
 
 class _GroupedHeadsAttention:
     """Forward of an HF attention module whose SDPA call runs over groups of key/value heads where
-    `kv_heads_per_group` groups a call of this many tokens, else the forward it had."""
+    `kv_heads_per_group` groups a call of this many tokens (and `self.grouped_attention` is on), else the
+    forward it had."""
 
     prefix = "Grouped"
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         group = None
-        if torch.is_grad_enabled():
+        if self.grouped_attention and torch.is_grad_enabled():
             heads = self.config.num_attention_heads
             group = kv_heads_per_group(hidden_states.numel() // hidden_states.shape[-1], heads,
                                        heads // self.num_key_value_groups, self.head_dim,
@@ -141,6 +145,12 @@ def _is_attention(m: nn.Module) -> bool:
     """An HF attention module of a supported family: heads from its config, `num_key_value_groups` and `head_dim`."""
     return (_family(m) is not None and type(m).__name__.endswith("Attention")
             and all(hasattr(m, n) for n in ("config", "num_key_value_groups", "head_dim")))
+
+
+def _group_attention(m: nn.Module, on: bool) -> list[Callable[[], None]]:
+    undo = _swap_class(m, _subclass(_GroupedHeadsAttention, type(m)))
+    m.grouped_attention = on
+    return [undo, lambda: m.__dict__.pop("grouped_attention", None)]
 
 
 def _tile_mlp(m: nn.Module, setting: TileSetting) -> list[Callable[[], None]]:
@@ -234,12 +244,18 @@ class PatchHandle:
     counts: dict[str, int]
     _undo: list[Callable[[], None]]
     tiled: list[nn.Module]  # the MLPs that run over sequence tiles where their setting says so
+    attention: list[nn.Module]  # the attention modules that may run over groups of heads
 
     def tile_mlps(self, setting: TileSetting) -> None:
         """Set every tiled MLP's `mlp_tile_tokens` (a runtime that plans memory decides "auto" per micro-batch)."""
         check_tile_setting(setting)
         for m in self.tiled:
             m.mlp_tile_tokens = setting
+
+    def group_attention(self, on: bool) -> None:
+        """Let every patched attention module run long calls over groups of heads (True) or never (False)."""
+        for m in self.attention:
+            m.grouped_attention = on
 
     def unpatch(self) -> None:
         while self._undo:
@@ -254,13 +270,15 @@ class PatchHandle:
 
 
 def _patch_modules(model: nn.Module, counts: dict[str, int], rms_norm: bool, swiglu: bool,
-                   mlp_tile_tokens: TileSetting, tiled: list[nn.Module],
-                   grouped_attention: bool) -> list[Callable[[], None]]:
-    """Swap the RMSNorm, MLP and attention modules' classes; counts what changed and collects the tiled MLPs."""
+                   mlp_tile_tokens: TileSetting, tiled: list[nn.Module], grouped_attention: bool,
+                   attention: list[nn.Module]) -> list[Callable[[], None]]:
+    """Swap the RMSNorm, MLP and attention modules' classes; counts what changed and collects the tiled MLPs and
+    the attention modules."""
     undo: list[Callable[[], None]] = []
     for m in model.modules():
-        if grouped_attention and _is_attention(m):
-            undo.append(_swap_class(m, _subclass(_GroupedHeadsAttention, type(m))))
+        if _is_attention(m):
+            undo.extend(_group_attention(m, grouped_attention))
+            attention.append(m)
             counts["grouped_attention"] += 1
             continue
         if rms_norm and _is_rms_norm(m):
@@ -292,7 +310,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     `softcap` and `z_loss_weight` apply to the fused loss (off by default: Llama, Qwen and
     Mistral train without them). `mlp_tile_tokens` is when MLPs run over sequence tiles
     (`tiled_mlp.tile_for`: "auto", tokens per tile, or None for never). `grouped_attention` lets long
-    attention calls run over groups of heads (`grouped_attention.kv_heads_per_group`). Raises for a model outside
+    attention calls run over groups of heads (`grouped_attention.kv_heads_per_group`; the handle's
+    `group_attention` switches it). Raises for a model outside
     the supported families.
     """
     if not supports(model):
@@ -303,7 +322,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     check_tile_setting(mlp_tile_tokens)
     counts = {"rms_norm": 0, "swiglu": 0, "tiled_mlp": 0, "grouped_attention": 0, "rope": 0, "cross_entropy": 0}
     tiled: list[nn.Module] = []
-    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens, tiled, grouped_attention)
+    attention: list[nn.Module] = []
+    undo = _patch_modules(model, counts, rms_norm, swiglu, mlp_tile_tokens, tiled, grouped_attention, attention)
     if rope:
         modelings = {sys.modules[type(m).__module__] for m in model.modules() if _family(m)}
         for modeling in modelings:
@@ -313,7 +333,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     if cross_entropy and type(getattr(model, "lm_head", None)) is nn.Linear and hasattr(model, "model"):
         undo.extend(_patch_head(model, softcap, z_loss_weight, chunk_mib))
         counts["cross_entropy"] = 1
-    handle = PatchHandle(model, counts, undo, tiled)
+    handle = PatchHandle(model, counts, undo, tiled, attention)
     model.__dict__[_HANDLE_ATTR] = handle
     return handle
 

@@ -104,6 +104,30 @@ def test_fp32_with_mlps_over_sequence_tiles_matches_lightnings_own_training(arch
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
+def test_fp32_with_attention_over_groups_of_heads_matches_lightnings_own_training(monkeypatch):
+    """Every recomputed attention call over groups of one key/value head (the size thresholds at zero, grouping
+    turned on as the planner does for a long micro-batch), clipping: the engine trains as Lightning does."""
+    from dataclasses import replace
+
+    import lightning_slide.ops.grouped_attention as grouped
+    import lightning_slide.strategy as strategy
+
+    monkeypatch.setattr(grouped, "UNGROUPED_MIB", 0)
+    monkeypatch.setattr(grouped, "GROUP_MIB", 0)
+    calls, apply = [], grouped.GroupedAttention.apply
+    monkeypatch.setattr(grouped.GroupedAttention, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
+
+    resolve = strategy.resolve_batch_setup
+    monkeypatch.setattr(strategy, "resolve_batch_setup",  # as the planner decides for a micro-batch that needs it
+                        lambda *a: (lambda runs, needs: (replace(runs, grouped_attention=True), needs))(*resolve(*a)))
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    lightning = fit(model, batches, "auto", STEPS, clip=0.5)
+    assert calls == []
+    ours = fit(model, batches, SlideStrategy(mlp_tile_tokens=1024), STEPS, clip=0.5)
+    assert calls and set(calls) == {1}
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
+
+
 def test_micro_batches_of_changing_size_match_adamw_and_a_larger_one_sizes_the_window_again():
     """The window grows after the first step for that step's batch; a larger micro-batch later gives the grown
     slots back before its forward (its activations need the memory) and the window grows again after it."""

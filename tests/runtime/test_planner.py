@@ -406,19 +406,36 @@ def test_a_tiled_mlp_bounds_the_blocks_workspace_by_its_tile_not_the_sequence(mo
     assert len(set(short)) == 1  # below the threshold "auto" leaves the MLP untiled
 
 
-def test_long_attention_over_groups_of_heads_leaves_all_but_one_groups_flash_buffers_off_the_workspace(monkeypatch):
+def test_long_attention_over_groups_of_heads_leaves_all_but_one_groups_flash_buffers_off_the_workspace():
     """Llama-3.1-8B at one 131,072-token sequence: the flash backward's fp32 query accumulator and expanded
     key/value gradients of 32 heads (4 GiB) are planned for one key/value head's 4 query heads instead."""
     import lightning_slide.ops.grouped_attention as grouped
 
-    shape, setup = _llama_8b(), Setup(SlideConfig(activations="cpu"))
-    with_groups = _workspace(Plan.estimate(shape, setup, 1, 131072))
+    shape, config = _llama_8b(), SlideConfig(activations="cpu")
+    one_call, over_groups = (_workspace(Plan.estimate(shape, Setup(config, grouped_attention=on), 1, 131072))
+                             for on in (False, True))
     saving = grouped.workspace_saving(131072, 32, 8, 128, 2)
     assert saving == 4 * GiB - grouped.group_bytes(131072, 32, 8, 128, 2, 1) > 3 * GiB
-    monkeypatch.setattr(grouped, "UNGROUPED_MIB", 1 << 40)
-    assert _workspace(Plan.estimate(shape, setup, 1, 131072)) - with_groups == saving
-    assert _workspace(Plan.estimate(shape, Setup(SlideConfig(activations="cpu", use_kernels=False)), 1, 131072)) > (
-        with_groups + saving)  # without the kernels nothing is grouped
+    assert one_call - over_groups == saving
+
+
+def test_attention_runs_over_groups_of_heads_only_where_the_micro_batch_does_not_fit_in_one_call():
+    """8B at 131,072 tokens, MLP tiles "auto": with room for the tiled plan it stays in one call (SDPA's faster
+    kernels); with less, but room for the grouped plan, it is grouped; a shorter sequence never is."""
+    from lightning_slide.ops.tiled_mlp import even_tiles
+
+    shape, setup, tile = _llama_8b(), Setup(SlideConfig(activations="cpu")), even_tiles(131072, 14336, 2)
+    static = Plan.static(shape, setup)
+    one_call, over_groups = (
+        static.batch(shape, Setup(SlideConfig(activations="cpu", mlp_tile_tokens=tile), grouped_attention=on), 1,
+                     131072, None).total("gpu") for on in (False, True))
+    for gpu, grouped in ((one_call, False), ((one_call + over_groups) // 2, True)):
+        resources = Resources(ram=400 * GiB, gpu=gpu)
+        decided, needs = planner.resolve_batch_setup(static, shape, setup, 1, 131072, resources, None)
+        assert decided.grouped_attention is grouped and decided.config.mlp_tile_tokens == tile
+        needs.check(resources)
+    short, _ = planner.resolve_batch_setup(static, shape, setup, 1, 16384, Resources(ram=400 * GiB, gpu=GiB), None)
+    assert not short.grouped_attention  # nothing to save there: refused as before, in one call
 
 
 @pytest.mark.parametrize("micro_batch, seq_len, prefetched", [(8, 1024, True), (1, 131072, False)])
