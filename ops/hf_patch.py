@@ -304,14 +304,14 @@ def supports(model: nn.Module) -> bool:
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
           cross_entropy: bool = True, softcap: float | None = None, z_loss_weight: float = 0.0,
           chunk_mib: float = CHUNK_MIB, mlp_tile_tokens: TileSetting = "auto",
-          grouped_attention: bool = True) -> PatchHandle:
+          grouped_attention: bool = False) -> PatchHandle:
     """Swap the kernels into `model` (before any runtime wraps its modules); returns the handle.
 
     `softcap` and `z_loss_weight` apply to the fused loss (off by default: Llama, Qwen and
     Mistral train without them). `mlp_tile_tokens` is when MLPs run over sequence tiles
     (`tiled_mlp.tile_for`: "auto", tokens per tile, or None for never). `grouped_attention` lets long
     attention calls run over groups of heads (`grouped_attention.kv_heads_per_group`; the handle's
-    `group_attention` switches it). Raises for a model outside
+    `group_attention` switches it): off by default, as it trades speed for memory. Raises for a model outside
     the supported families.
     """
     if not supports(model):

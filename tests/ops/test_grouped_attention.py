@@ -101,7 +101,7 @@ def test_a_model_whose_long_attention_is_grouped_gives_hf_s_loss_and_gradients(f
     apply = ga.GroupedAttention.apply
     monkeypatch.setattr(ga.GroupedAttention, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
     with ops.patch(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False,
-                   mlp_tile_tokens=None) as handle:
+                   mlp_tile_tokens=None, grouped_attention=True) as handle:
         assert handle.counts["grouped_attention"] == 2
         loss, got = _loss_and_grads(model, ids)
     assert calls == [1, 1]  # both layers, one key/value head a group
@@ -110,15 +110,15 @@ def test_a_model_whose_long_attention_is_grouped_gives_hf_s_loss_and_gradients(f
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_handle_turns_grouping_off_and_on(monkeypatch):
+def test_grouping_is_off_unless_asked_for_and_the_handle_turns_it_on(monkeypatch):
     monkeypatch.setattr(ga, "UNGROUPED_MIB", 0)
     monkeypatch.setattr(ga, "GROUP_MIB", 0)
     model, ids = _tiny("llama"), torch.randint(0, 61, (2, 19))
     calls = []
     apply = ga.GroupedAttention.apply
     monkeypatch.setattr(ga.GroupedAttention, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
-    with ops.patch(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False, mlp_tile_tokens=None,
-                   grouped_attention=False) as handle:
+    with ops.patch(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False,
+                   mlp_tile_tokens=None) as handle:
         model(input_ids=ids, labels=ids).loss.backward()
         assert calls == []
         handle.group_attention(True)
@@ -131,7 +131,8 @@ def test_short_attention_and_inference_run_hf_s_own_call(monkeypatch):
     model = _tiny("llama")
     calls = []
     monkeypatch.setattr(ga.GroupedAttention, "apply", lambda *a: calls.append(a))
-    with ops.patch(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False, mlp_tile_tokens=None):
+    with ops.patch(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False, mlp_tile_tokens=None,
+                   grouped_attention=True):
         model(input_ids=torch.randint(0, 61, (2, 19)), labels=torch.randint(0, 61, (2, 19))).loss.backward()
         monkeypatch.setattr(ga, "UNGROUPED_MIB", 0)
         monkeypatch.setattr(ga, "GROUP_MIB", 0)
