@@ -12,7 +12,7 @@ output gradient
 `weight_grads_gib`), beside the planner's per-token model (`planned_gib`, from `lightning_slide.graphs`). One
 JSON object per case goes to `--out/tiled_block.jsonl`; an out-of-memory case is recorded with its error.
 
-    python -m benchmarks.tiled_block --out DIR                      # H200: about a minute and a half
+    python -m benchmarks.tiled_block --out DIR                      # H200: about two minutes
     python -m benchmarks.tiled_block --out DIR --model llama3_3b --tokens 131072,262144
 """
 from __future__ import annotations
