@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from benchmarks.records import EXPOSED_MEANING, HINTS, finalize, tier_label
@@ -187,18 +187,23 @@ def _ending(ladder: dict) -> str:
     return text
 
 
+def _engine_steps(records: list[dict], counter: str) -> Iterator[tuple[str, dict]]:
+    """(case, per-step engine counters) of each case that ran and recorded `counter`."""
+    for r in records:
+        engine = r.get("engine_per_step") or {}
+        if r["ok"] and counter in engine:
+            yield r["case"], engine
+
+
 def waits_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step: how busy the optimizer and copy threads were, how long the training
     thread waited for a free gradient buffer and for updates, the units whose updates it waited for most, and
     the optimizer thread's own time on those units (a wait longer than that was spent on other work first)."""
     rows = []
-    for r in records:
-        engine = r.get("engine_per_step") or {}
-        if not r["ok"] or "wait_update_s" not in engine:
-            continue
+    for case, engine in _engine_steps(records, "wait_update_s"):
         units = sorted((engine.get("wait_update_by_unit_s") or {}).items(), key=lambda kv: -kv[1])[:3]
         work = engine.get("update_work_by_unit_s") or {}
-        rows.append([r["case"], engine.get("update_busy_s"), engine.get("copy_busy_s"), engine.get("wait_grads_s"),
+        rows.append([case, engine.get("update_busy_s"), engine.get("copy_busy_s"), engine.get("wait_grads_s"),
                      engine["wait_update_s"], ", ".join(f"{name} {s:.3f}" for name, s in units) or "-",
                      ", ".join(f"{name} {work[name]:.3f}" for name, _ in units if name in work) or "-"])
     header = ["case", "update busy s", "copies busy s", "waited for a gradient buffer s", "waited for updates s",
@@ -210,12 +215,9 @@ def traffic_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step: the GB each kind of copy moved each way across PCIe, and the units whose
     loads moved most (a unit loaded again is one whose slot was taken or whose new weights no update wrote there)."""
     rows = []
-    for r in records:
-        engine = r.get("engine_per_step") or {}
-        if not r["ok"] or "h2d_loads_bytes" not in engine:
-            continue
+    for case, engine in _engine_steps(records, "h2d_loads_bytes"):
         loads = sorted((engine.get("load_by_unit_bytes") or {}).items(), key=lambda kv: -kv[1])[:3]
-        rows.append([r["case"], *(engine[f"h2d_{k}_bytes"] / 1e9 for k in ("loads", "saved_inputs", "updates")),
+        rows.append([case, *(engine[f"h2d_{k}_bytes"] / 1e9 for k in ("loads", "saved_inputs", "updates")),
                      *(engine[f"d2h_{k}_bytes"] / 1e9 for k in ("gradients", "saved_inputs", "updates")),
                      ", ".join(f"{name} {n / 1e9:.2f}" for name, n in loads) or "-"])
     header = ["case", "up: loads GB", "up: saved inputs GB", "up: updates GB", "back: gradients GB",
