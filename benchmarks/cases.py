@@ -334,15 +334,15 @@ SUITES: dict[str, list[Case]] = {
     "ladders": _ladders(),
     "long": _long(),
     "tiling": _tiling(),
-    # fp32 blocks updated on the GPU instead of the CPU, where the CPU update bounds the step, beside the probe
-    # 8B, where 3 blocks have no slot, and 3B, where every block has one and the CPU update binds the step
+    # fp32 blocks updated on the GPU while the CPU updates the rest, where the CPU update bounds the step, beside the
+    # probe: none, the default's balanced split ("auto"), and (3B) every block
     "gpu_updates": [_probe()] + [
-        make("slide", model, 8, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
-        for model, counts in (("llama3_8b", (0, 8, 14, 20)), ("llama3_3b", (0, 14, 28))) for blocks in counts],
+        make("slide", model, 8, slide_settings=() if blocks == "auto" else (("gpu_update_blocks", blocks),))
+        for model, counts in (("llama3_3b", ("auto", 0, 28)), ("llama3_8b", ("auto", 0))) for blocks in counts],
     # the step boundary at 64 x 1024 tokens: the first blocks' updates, the last of the backward, on the GPU
-    # take them out of the CPU backlog ahead of the embedding's
-    "boundary": [make("slide", "llama3_8b", 64, slide_settings=() if blocks == 0 else (("gpu_update_blocks", blocks),))
-                 for blocks in (0, 4)],
+    # ("auto", the default) take them out of the CPU backlog ahead of the embedding's, against none on the GPU
+    "boundary": [make("slide", "llama3_8b", 64, slide_settings=settings)
+                 for settings in ((), (("gpu_update_blocks", 0),))],
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])

@@ -257,7 +257,7 @@ def _time_update(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW,
                  DeviceGrad(0, on_device, None, plan, lambda event: None))
         adam.drain()
         times.append(time.perf_counter() - started)
-    adam.worker.stop()
+    adam.stop()
     adam.close()
     storage.release()  # unlocked before its memory is freed: a later buffer may take the same addresses
     best = min(times[1:])

@@ -80,11 +80,13 @@ class SlideConfig:
         of any moment_precision (converted where the precision differs). On CUDA, compact moments in RAM are
         updated on the GPU (page-locked, copied up and back per chunk; `device_update`), elsewhere by a CPU thread pool.
     gpu_update_blocks: with fp32 moments on CUDA, how many decoder blocks (the first ones, whose updates end a
-        step's backward) have their AdamW run on the GPU instead of the CPU: their master and moments are
-        page-locked and go up and back per update (24 bytes/param of PCIe), the gradient never leaves the GPU,
-        and the new weights go straight into the block's slot. This takes CPU update work (and about 36 bytes/param
-        of host-memory traffic) off steps that the CPU update bounds, at the cost of PCIe. Compact moments are
-        always updated on the GPU where there is one. 0: every fp32 update on the CPU.
+        step's backward) have their AdamW run on the GPU, at the same time as the CPU updates the rest: their
+        master and moments are page-locked and go up and back per update (24 bytes/param of PCIe), the gradient
+        never leaves the GPU, and the new weights go straight into the block's slot. This takes CPU update work
+        (and about 36 bytes/param of host-memory traffic) off steps that the CPU update bounds. "auto": as many as
+        make the CPU's and the GPU's shares take equally long at the fused CPU AdamW and pinned-copy rates the run
+        measures when it starts (`device_update.balanced_blocks`); 0: every fp32 update on the CPU. Compact
+        moments are always updated on the GPU where there is one.
     stall_timeout_s: seconds without any background worker (optimizer, copy, disk threads) starting or finishing
         an item, while training waits for them, after which fit stops with an error naming the stalled worker,
         its item and its stack (a hung disk or a deadlock ends the run instead of hanging it); None:
@@ -106,7 +108,7 @@ class SlideConfig:
     nvme_master: bool = False
     gds: Literal["auto", "on", "off"] = "auto"
     moment_precision: MomentPrecision = "fp32"
-    gpu_update_blocks: int = 0
+    gpu_update_blocks: int | Literal["auto"] = "auto"
     stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -127,7 +129,8 @@ class SlideConfig:
             "nvme_master": not self.nvme_master or self.offload == "nvme",
             "gds": self.gds in ("auto", "on", "off"),
             "moment_precision": self.moment_precision in ("fp32", "bf16", "int8"),
-            "gpu_update_blocks": type(self.gpu_update_blocks) is int and self.gpu_update_blocks >= 0,
+            "gpu_update_blocks": self.gpu_update_blocks == "auto" or (
+                type(self.gpu_update_blocks) is int and self.gpu_update_blocks >= 0),
             "stall_timeout_s": self.stall_timeout_s is None or (
                 isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
                 and self.stall_timeout_s > 0),
@@ -201,6 +204,7 @@ _HINTS = {
     "nvme_master": "The master weights go to disk only with offload='nvme' (the disk tier).",
     "gds": "Choose 'auto' (GPUDirect Storage where kvikio uses it), 'on' or 'off' (pinned host staging).",
     "moment_precision": "Choose 'fp32' (exact AdamW), 'bf16' (stochastically rounded) or 'int8' (blockwise 8-bit).",
-    "gpu_update_blocks": "Give a whole number of decoder blocks (0 or more) whose fp32 AdamW runs on the GPU.",
+    "gpu_update_blocks": "Give a whole number of decoder blocks (0 or more) whose fp32 AdamW runs on the GPU, "
+                         "or 'auto' (the split that balances the CPU's and the GPU's update time).",
     "stall_timeout_s": "Give a positive number of seconds, or None to scale it from the longest item (at least 300 s).",
 }

@@ -14,15 +14,20 @@ Units whose moments are on disk keep the CPU path (their chunks come and go thro
 
 With fp32 moments the same path can take some decoder blocks' updates (`gpu_update_blocks`) off a CPU that bounds
 the step: 24 bytes per parameter of PCIe (master and moments, up and back) instead of the CPU update's host-memory
-traffic and compute.
+traffic and compute. The CPU and the GPU then update at once, on threads of their own (`LayerAdam`), and
+"auto" splits the blocks between them so that both finish together (`balanced_blocks`) at the rates this machine
+shows when the run starts (`measured_rates`: a fused CPU AdamW and pinned copies both ways at once).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
+from typing import Literal
 
 import torch
 
@@ -37,13 +42,15 @@ from lightning_slide.moment_codec import (
     table_bytes,
     work_views,
 )
-from lightning_slide.pinned import pin_, unpin_
+from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 208 MiB a set with 8-bit moments)
 SETS = 2  # buffer sets, each on its own stream: one chunk's copies overlap the other's update
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
+FP32_LINK_BYTES = 24  # an fp32 update on the GPU: master and both moments, up and back
+PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU cache
 
 
 @dataclass
@@ -78,14 +85,78 @@ def gpu_updates_on(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def gpu_updated_units(precision: str, gpu_update_blocks: int, dedicated: Sequence[bool],
-                      on_disk: Collection[int]) -> list[int]:
-    """The units whose updates run on the GPU (where there is one): with compact moments every unit whose
-    moments are in RAM; with fp32 ones the first `gpu_update_blocks` decoder blocks in RAM."""
+def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], dedicated: Sequence[bool],
+                      on_disk: Collection[int], trainable: Sequence[int], device: torch.device) -> list[int]:
+    """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
+    moments are in RAM; with fp32 ones the first `gpu_update_blocks` decoder blocks in RAM ("auto": as many as
+    `balanced_blocks` finds at this machine's `measured_rates`, none where they cannot be measured)."""
     in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
     if precision != "fp32":
         return in_ram
-    return [u for u in in_ram if not dedicated[u]][:gpu_update_blocks]
+    blocks = [u for u in in_ram if not dedicated[u] and trainable[u]]
+    if gpu_update_blocks == "auto":
+        rates = measured_rates(device)
+        kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
+        gpu_update_blocks = 0 if rates is None else balanced_blocks(kept, [trainable[u] for u in blocks], rates)
+    return blocks[:gpu_update_blocks]
+
+
+@dataclass(frozen=True)
+class UpdateRates:
+    """What fp32 updates cost on either side: the CPU's fused AdamW (elements/s) and the pinned copies to and from
+    the GPU running at once (bytes/s, both directions together)."""
+
+    cpu_elems_s: float
+    link_bytes_s: float
+
+
+def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates) -> int:
+    """How many of `blocks` (their trainable sizes, in the order the GPU takes them) to update on the GPU so that
+    a step's updates end soonest, the CPU's (`kept` elements besides the blocks it keeps) and the GPU's running at
+    once. The copies are the GPU's cost (the update itself is a few memory-bound kernels); loads that share the link
+    are not counted."""
+    def finish(k: int) -> float:
+        gpu, cpu = sum(blocks[:k]), kept + sum(blocks[k:])
+        return max(cpu / rates.cpu_elems_s, gpu * FP32_LINK_BYTES / rates.link_bytes_s)
+    return min(range(len(blocks) + 1), key=finish)
+
+
+def measured_rates(device: torch.device) -> UpdateRates | None:
+    """This machine's `UpdateRates` for a CUDA `device` (measured once per process and device), None elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _probe_rates(torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index))
+
+
+@functools.cache
+def _probe_rates(device: torch.device) -> UpdateRates:
+    """The best of three: one fused CPU AdamW over `PROBE_ELEMS` fp32 elements, and as many bytes copied each way
+    at once between pinned memory and `device`."""
+    master, grad, exp_avg, exp_avg_sq = (torch.zeros(PROBE_ELEMS) for _ in range(4))
+    step = torch.zeros(())
+    host = host_empty(2 * 4 * PROBE_ELEMS, torch.uint8).view(2, -1)
+    pinned = pin_(host)
+    gpu = torch.empty_like(host, device=device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    cpu_s = link_s = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        cpu_s = min(cpu_s, time.perf_counter() - start)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.cuda.stream(up):
+            gpu[0].copy_(host[0], non_blocking=True)
+        with torch.cuda.stream(down):
+            host[1].copy_(gpu[1], non_blocking=True)
+        torch.cuda.synchronize(device)
+        link_s = min(link_s, time.perf_counter() - start)
+    if pinned:
+        unpin_(host)
+    del gpu
+    torch.cuda.empty_cache()
+    return UpdateRates(PROBE_ELEMS / cpu_s, 2 * host[0].numel() / link_s)
 
 
 def code_kernels_on(device: torch.device) -> bool:

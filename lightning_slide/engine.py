@@ -139,9 +139,11 @@ class SlideEngine:
         """The GPU takes a training run's compact updates, and those of `gpu_update_blocks` fp32 blocks, where
         there is one (`device_update`)."""
         on, config = gpu_updates_on(self.device), self.config
+        if self.optimizer is None or on is None:
+            return None
         units = gpu_updated_units(config.moment_precision, config.gpu_update_blocks, self._dedicated,
-                                  self.moments.on_disk)
-        if self.optimizer is None or on is None or not units:
+                                  self.moments.on_disk, [s.trainable_numel for s in self.storages], on)
+        if not units:
             return None
         largest = max(self.storages[u].trainable_numel for u in units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
@@ -529,7 +531,8 @@ class SlideEngine:
             **{f"h2d_{what}_bytes": n for what, n in h2d.items()},
             **{f"d2h_{what}_bytes": n for what, n in d2h.items()},
             "load_by_unit_bytes": {s.name: n for s, n in zip(self.storages, self.window.load_bytes) if n},
-            "update_busy_s": self.adam.worker.busy_s,
+            "update_busy_s": self.adam.worker.busy_s,  # the CPU updates' thread
+            "gpu_update_busy_s": self.adam.device_worker.busy_s if self.adam.device_worker else 0.0,
             "copy_busy_s": self.pump.worker.busy_s if self.pump else 0.0,
             "wait_update_s": sum(self.window.waits),
             "wait_update_by_unit_s": {s.name: w for s, w in zip(self.storages, self.window.waits) if w},
@@ -537,6 +540,7 @@ class SlideEngine:
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
             "kept_graphs": self.graphs.kept,
+            "gpu_updated_units": len(updater.units) if updater else 0,  # units whose AdamW runs on the GPU
             "block_slots": len(self.window.ring),  # blocks with a GPU slot (grown by the first step's adaptation)
             "disk_read_bytes": self.moments.disk_bytes[0] + self.activations.disk_bytes[0],
             "disk_write_bytes": self.moments.disk_bytes[1] + self.activations.disk_bytes[1],
@@ -545,9 +549,9 @@ class SlideEngine:
     def close(self) -> None:
         """Finish queued updates, stop the threads, restore the modules, unpin host memory, drop GPU slots."""
         self.failure.finish(self.synchronize)  # bounded after Ctrl-C; skipped after a worker failed
-        for worker in (self.pump.worker if self.pump else None, self.adam.worker):
-            if worker is not None:
-                worker.stop()
+        if self.pump is not None:
+            self.pump.worker.stop()
+        self.adam.stop()
         self._quiesce_after_failure()
         self.adam.close()
         self.moments.close()

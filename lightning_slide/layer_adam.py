@@ -261,7 +261,10 @@ class Scratch:
 
 
 class LayerAdam:
-    """Owns the unit storages' optimizer state and the thread that updates them.
+    """Owns the unit storages' optimizer state and the threads that update them: one for the units updated on the
+    CPU, one for those updated on the GPU (`on_device`), so that neither kind waits in the other's queue: the GPU's
+    units are the first blocks, whose gradients come last, and behind a CPU backlog their updates would start only
+    once the CPU's had ended.
 
     `scheduled[u]` counts updates launched for unit u, `applied[u]` those finished: a unit's weights may be
     loaded for compute only when the two agree.
@@ -284,6 +287,13 @@ class LayerAdam:
         self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
         scripted(adam_pieces)  # compiled here, before any update waits for it
         self.worker: Worker[GradChunk | DeferredUpdate | DeviceGrad] = Worker("layer-adam", self._handle, failure)
+        self.device_worker: Worker[GradChunk | DeferredUpdate | DeviceGrad] | None = None
+        if on_device is not None:
+            self.device_worker = Worker("layer-adam-gpu", self._handle, failure)
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [w for w in (self.worker, self.device_worker) if w is not None]
 
     @staticmethod
     def widen_elems(largest_trainable: int, precision: MomentPrecision = "fp32") -> int:
@@ -306,7 +316,9 @@ class LayerAdam:
         self.scheduled[unit] += 1
 
     def put(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
-        self.worker.put(item)
+        """Queue `item` on the thread of its unit's kind (CPU or GPU update)."""
+        on_device = self.device_worker is not None and self.updates_on_device(item.unit)
+        (self.device_worker if on_device else self.worker).put(item)
 
     def updates_on_device(self, unit: int) -> bool:
         """The unit's update runs on the GPU (`device_update.gpu_updated_units`)."""
@@ -320,7 +332,8 @@ class LayerAdam:
         return self.failure.wait(lambda: self.ready(unit), f"the update of unit {unit}")
 
     def drain(self) -> float:
-        waited = self.failure.wait(self.worker.idle, "the optimizer thread") + self.moments.drain()
+        waited = sum(self.failure.wait(w.idle, f"the optimizer thread {w.name}") for w in self.workers)
+        waited += self.moments.drain()
         for unit, event in enumerate(self.landed):
             if event is not None:
                 waited += self.failure.wait(event.query, f"the GPU update of unit {unit}")
@@ -399,8 +412,13 @@ class LayerAdam:
         scratches = [self.scratch, *(self.pool.scratches if self.pool is not None else [])]
         return [t for scratch in scratches for t in scratch.tensors()]
 
+    def stop(self) -> None:
+        """End the optimizer threads after their queued items."""
+        for worker in self.workers:
+            worker.stop()
+
     def close(self) -> None:
-        """Stop the pool threads (after the optimizer thread has stopped) and unlock the device updater's pages."""
+        """Stop the pool threads (after the optimizer threads have stopped) and unlock the device updater's pages."""
         if self.pool is not None:
             self.pool.close()
         if self.on_device is not None:

@@ -343,10 +343,11 @@ def _gradient_chunk(shape: ModelShape, setup: Setup) -> int:
 
 def _gpu_updated(shape: ModelShape, setup: Setup, on_disk: list[int]) -> list[int]:
     """The units whose updates the engine runs on the GPU (`device_update.gpu_updated_units`)."""
-    if not setup.training or gpu_updates_on(torch.device(setup.device)) is None:
+    on = gpu_updates_on(torch.device(setup.device))
+    if not setup.training or on is None:
         return []
     return gpu_updated_units(setup.config.moment_precision, setup.config.gpu_update_blocks,
-                             [u.dedicated for u in shape.units], on_disk)
+                             [u.dedicated for u in shape.units], on_disk, [u.trainable for u in shape.units], on)
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:

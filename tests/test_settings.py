@@ -76,3 +76,10 @@ def test_the_registered_disk_tier_strategy_is_offload_nvme():
 def test_an_unknown_strategy_keyword_is_refused_with_the_valid_settings():
     with pytest.raises(TypeError, match=r"Unknown slideformer setting\(s\) \['window'\].*'slots'"):
         SlideStrategy(SlideConfig(), window=3)
+
+
+@pytest.mark.parametrize("value", [-1, "many", 1.5, True])
+def test_gpu_update_blocks_takes_a_count_or_auto_and_names_both_when_refused(value):
+    assert SlideConfig(gpu_update_blocks="auto").gpu_update_blocks == "auto"
+    with pytest.raises(ValueError, match=r"SlideConfig.gpu_update_blocks=.* is not valid.*or 'auto'"):
+        SlideConfig(gpu_update_blocks=value)

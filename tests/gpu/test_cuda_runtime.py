@@ -72,6 +72,14 @@ def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip, monkeypatch):
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+def test_the_update_rates_are_measured_once_per_device():
+    from lightning_slide.device_update import measured_rates
+
+    rates = measured_rates(torch.device("cuda"))
+    assert rates is measured_rates(torch.device("cuda", torch.cuda.current_device()))
+    assert rates.cpu_elems_s > 1e8 and rates.link_bytes_s > 1e9  # a fused CPU AdamW, PCIe both ways
+
+
 @pytest.mark.parametrize("rows, activations", [(2, "auto"), (32, "cpu")], ids=["own-buffers", "saved-input-buffers"])
 def test_held_bf16_gradients_on_cuda_train_exactly_as_fp32_sums_of_the_same_gradients(rows, activations):
     """A clipped step holds bf16 gradients copied straight from the GPU (into buffers of their own, or into the
@@ -288,7 +296,7 @@ def test_compact_moments_updated_on_the_gpu_equal_decode_then_torch_cuda_adamw_t
     monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 1024)
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 2048)
     params, optimizer, storage, cpu_adam = compact._unit(precision)
-    cpu_adam.worker.stop()
+    cpu_adam.stop()
     cpu_adam.close()
     moments = cpu_adam.moments
     updater = DeviceUpdater(torch.device("cuda"), moments.codecs, storage.trainable_numel, 1024)

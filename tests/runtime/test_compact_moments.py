@@ -209,7 +209,7 @@ def run_and_compare(adam: LayerAdam, item: object, storage: UnitStorage, master:
     adam.schedule(0)
     adam.put(item)
     adam.drain()
-    adam.worker.stop()
+    adam.stop()
     adam.close()
     storage.release()
     assert torch.equal(storage.master, master)

@@ -1,6 +1,8 @@
 """Compact moments updated on the device (`device_update`): the same arithmetic as the CPU pool's, so on the CPU
 (standing in for the GPU here) both train bit for bit alike, eager and clipped, in several chunks and pieces."""
 
+import threading
+
 import pytest
 import torch
 
@@ -119,12 +121,50 @@ def test_fp32_blocks_updated_on_the_device_train_bit_for_bit_as_on_the_cpu(mode,
     cpu.close(), device.close()
 
 
-def test_an_fp32_run_keeps_its_updates_on_the_cpu(monkeypatch):
+def test_an_fp32_run_keeps_its_updates_on_the_cpu_where_the_rates_cannot_be_measured(monkeypatch):
+    """`gpu_update_blocks="auto"` (the default) measures the rates on CUDA only: on a stand-in device it is 0."""
     monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(), torch.device("cpu"),
                          torch.float32)
-    assert engine.adam.on_device is None
+    assert engine.adam.on_device is None and engine.adam.device_worker is None
+    engine.close()
+
+
+def test_auto_gives_the_gpu_the_blocks_that_make_both_sides_end_together():
+    """Equal rates (24 B of copies per element = one CPU element): 20 kept elements and ten blocks of 10 end
+    together at 60 elements each with six blocks on the GPU."""
+    equal = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0)
+    assert device_update.balanced_blocks(20, [10] * 10, equal) == 6
+    assert device_update.balanced_blocks(20, [10] * 10, device_update.UpdateRates(1.0, 1e-6)) == 0  # a slow link
+    assert device_update.balanced_blocks(0, [10] * 10, device_update.UpdateRates(1e-6, 24.0)) == 10  # a slow CPU
+
+
+def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
+    """The embedding and head (dedicated) and a disk unit stay on the CPU and count on its side."""
+    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: rates)
+    dedicated, trainable = [True, False, False, False, False, True], [1, 10, 10, 10, 1, 1]
+    units = device_update.gpu_updated_units("fp32", "auto", dedicated, {4}, trainable, torch.device("cpu"))
+    assert units == [1, 2]  # GPU 20, CPU 13; one block more: 30 against 3, one fewer: 10 against 23
+    assert device_update.gpu_updated_units("fp32", 1, dedicated, {4}, trainable, torch.device("cpu")) == [1]
+    assert device_update.gpu_updated_units("int8", 0, dedicated, {4}, trainable, torch.device("cpu")) == [0, 1, 2,
+                                                                                                          3, 5]
+
+
+def test_the_gpus_units_queue_on_an_optimizer_thread_of_their_own(monkeypatch):
+    """The first blocks' gradients come last: behind the CPU's queue their updates would start only when it ends."""
+    handled: dict[str, set[int]] = {}
+    handle = layer_adam.LayerAdam._handle
+
+    def record(self, item):
+        handled.setdefault(threading.current_thread().name, set()).add(item.unit)
+        handle(self, item)
+
+    monkeypatch.setattr(layer_adam.LayerAdam, "_handle", record)
+    engine = _train("fp32", StepMode(), True, monkeypatch, gpu_update_blocks=2)
+    assert handled == {"slideformer-layer-adam-gpu": {1, 2}, "slideformer-layer-adam": {0, 3, 4}}
+    assert engine.stats()["gpu_update_busy_s"] > 0
     engine.close()
 
 
