@@ -50,7 +50,9 @@ CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 208 MiB a se
 SETS = 2  # buffer sets, each on its own stream: one chunk's copies overlap the other's update
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
 FP32_LINK_BYTES = 24  # an fp32 update on the GPU: master and both moments, up and back
+CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
 PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU cache
+PROBE_COPIES = 4  # copies each way, to outlast the probe's CPU AdamW
 
 
 @dataclass
@@ -88,8 +90,10 @@ def gpu_updates_on(device: torch.device) -> torch.device | None:
 def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], dedicated: Sequence[bool],
                       on_disk: Collection[int], trainable: Sequence[int], device: torch.device) -> list[int]:
     """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
-    moments are in RAM; with fp32 ones the first `gpu_update_blocks` decoder blocks in RAM ("auto": as many as
-    `balanced_blocks` finds at this machine's `measured_rates`, none where they cannot be measured)."""
+    moments are in RAM; with fp32 ones `gpu_update_blocks` of the decoder blocks in RAM, spread evenly over them
+    ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates`, none where they cannot be
+    measured). Spread, because the backward holds only a few gradients at a time: were the GPU's blocks the last
+    the backward reaches, it would reach them only after the CPU had taken the others' gradients, one by one."""
     in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
     if precision != "fp32":
         return in_ram
@@ -98,26 +102,31 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
         rates = measured_rates(device)
         kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
         gpu_update_blocks = 0 if rates is None else balanced_blocks(kept, [trainable[u] for u in blocks], rates)
-    return blocks[:gpu_update_blocks]
+    k = min(gpu_update_blocks, len(blocks))
+    return [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
 
 
 @dataclass(frozen=True)
 class UpdateRates:
-    """What fp32 updates cost on either side: the CPU's fused AdamW (elements/s) and the pinned copies to and from
-    the GPU running at once (bytes/s, both directions together)."""
+    """What fp32 updates cost on either side, each measured while the other ran: the CPU's fused AdamW
+    (elements/s) and pinned copies to and from the GPU at once (bytes/s, both directions together)."""
 
     cpu_elems_s: float
     link_bytes_s: float
 
 
 def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates) -> int:
-    """How many of `blocks` (their trainable sizes, in the order the GPU takes them) to update on the GPU so that
-    a step's updates end soonest, the CPU's (`kept` elements besides the blocks it keeps) and the GPU's running at
-    once. The copies are the GPU's cost (the update itself is a few memory-bound kernels); loads that share the link
-    are not counted."""
+    """How many of the decoder `blocks` (their trainable sizes) to update on the GPU so that a step's updates end
+    soonest, the CPU's and the link's running at once. Each direction of the link carries `FP32_LINK_BYTES` / 2 per
+    element the GPU updates (master and moments) and `CPU_UNIT_LINK_BYTES` per element the CPU updates (its fp32
+    gradient down, its new weights up on the next load); the CPU updates `kept` elements besides the blocks it
+    keeps. The GPU's kernels are not counted: a few memory-bound passes, far below either."""
+    direction = rates.link_bytes_s / 2
+
     def finish(k: int) -> float:
         gpu, cpu = sum(blocks[:k]), kept + sum(blocks[k:])
-        return max(cpu / rates.cpu_elems_s, gpu * FP32_LINK_BYTES / rates.link_bytes_s)
+        link = (gpu * FP32_LINK_BYTES / 2 + cpu * CPU_UNIT_LINK_BYTES) / direction
+        return max(cpu / rates.cpu_elems_s, link)
     return min(range(len(blocks) + 1), key=finish)
 
 
@@ -130,8 +139,8 @@ def measured_rates(device: torch.device) -> UpdateRates | None:
 
 @functools.cache
 def _probe_rates(device: torch.device) -> UpdateRates:
-    """The best of three: one fused CPU AdamW over `PROBE_ELEMS` fp32 elements, and as many bytes copied each way
-    at once between pinned memory and `device`."""
+    """The best of three: `PROBE_COPIES` pinned copies of 4 x `PROBE_ELEMS` bytes each way, and, while they run, one
+    fused CPU AdamW over `PROBE_ELEMS` fp32 elements: in a step the two share the host's memory."""
     master, grad, exp_avg, exp_avg_sq = (torch.zeros(PROBE_ELEMS) for _ in range(4))
     step = torch.zeros(())
     host = host_empty(2 * 4 * PROBE_ELEMS, torch.uint8).view(2, -1)
@@ -140,23 +149,24 @@ def _probe_rates(device: torch.device) -> UpdateRates:
     up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
     cpu_s = link_s = float("inf")
     for _ in range(3):
-        start = time.perf_counter()
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
-        cpu_s = min(cpu_s, time.perf_counter() - start)
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        with torch.cuda.stream(up):
-            gpu[0].copy_(host[0], non_blocking=True)
-        with torch.cuda.stream(down):
-            host[1].copy_(gpu[1], non_blocking=True)
+        for _ in range(PROBE_COPIES):
+            with torch.cuda.stream(up):
+                gpu[0].copy_(host[0], non_blocking=True)
+            with torch.cuda.stream(down):
+                host[1].copy_(gpu[1], non_blocking=True)
+        adam = time.perf_counter()
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        cpu_s = min(cpu_s, time.perf_counter() - adam)
         torch.cuda.synchronize(device)
         link_s = min(link_s, time.perf_counter() - start)
     if pinned:
         unpin_(host)
     del gpu
     torch.cuda.empty_cache()
-    return UpdateRates(PROBE_ELEMS / cpu_s, 2 * host[0].numel() / link_s)
+    return UpdateRates(PROBE_ELEMS / cpu_s, 2 * PROBE_COPIES * host[0].numel() / link_s)
 
 
 def code_kernels_on(device: torch.device) -> bool:

@@ -112,11 +112,11 @@ def test_a_slot_write_goes_to_the_first_of_the_updater_and_the_window_to_ask():
 
 @pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
 def test_fp32_blocks_updated_on_the_device_train_bit_for_bit_as_on_the_cpu(mode, monkeypatch):
-    """The first two decoder blocks (units 1 and 2 after the embedding) go to the device, the rest stay."""
+    """Two of the three decoder blocks, spread over them (units 1 and 3), go to the device, the rest stay."""
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
     cpu = _train("fp32", mode, False, monkeypatch)
     device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks=2)
-    assert device.adam.on_device.units == {1, 2}
+    assert device.adam.on_device.units == {1, 3}
     _assert_same_state(cpu, device)
     cpu.close(), device.close()
 
@@ -132,22 +132,22 @@ def test_an_fp32_run_keeps_its_updates_on_the_cpu_where_the_rates_cannot_be_meas
 
 
 def test_auto_gives_the_gpu_the_blocks_that_make_both_sides_end_together():
-    """Equal rates (24 B of copies per element = one CPU element): 20 kept elements and ten blocks of 10 end
-    together at 60 elements each with six blocks on the GPU."""
-    equal = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0)
-    assert device_update.balanced_blocks(20, [10] * 10, equal) == 6
+    """A CPU element a second, 12 B a second each way: with 5 of ten 10-element blocks on the GPU (and 20 more
+    elements on the CPU) the CPU takes 70 s and the link (50 x 12 + 70 x 4) / 12 = 73 s; with 4, 80 s and 67 s."""
+    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0)
+    assert device_update.balanced_blocks(20, [10] * 10, rates) == 5
     assert device_update.balanced_blocks(20, [10] * 10, device_update.UpdateRates(1.0, 1e-6)) == 0  # a slow link
     assert device_update.balanced_blocks(0, [10] * 10, device_update.UpdateRates(1e-6, 24.0)) == 10  # a slow CPU
 
 
 def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
     """The embedding and head (dedicated) and a disk unit stay on the CPU and count on its side."""
-    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0)
+    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=48.0)
     monkeypatch.setattr(device_update, "measured_rates", lambda device: rates)
     dedicated, trainable = [True, False, False, False, False, True], [1, 10, 10, 10, 1, 1]
     units = device_update.gpu_updated_units("fp32", "auto", dedicated, {4}, trainable, torch.device("cpu"))
-    assert units == [1, 2]  # GPU 20, CPU 13; one block more: 30 against 3, one fewer: 10 against 23
-    assert device_update.gpu_updated_units("fp32", 1, dedicated, {4}, trainable, torch.device("cpu")) == [1]
+    assert units == [1, 3]  # the CPU 13 s, the link 12 s; with one more 15 s (link), one fewer 23 s (CPU)
+    assert device_update.gpu_updated_units("fp32", 1, dedicated, {4}, trainable, torch.device("cpu")) == [2]
     assert device_update.gpu_updated_units("int8", 0, dedicated, {4}, trainable, torch.device("cpu")) == [0, 1, 2,
                                                                                                           3, 5]
 
@@ -163,7 +163,7 @@ def test_the_gpus_units_queue_on_an_optimizer_thread_of_their_own(monkeypatch):
 
     monkeypatch.setattr(layer_adam.LayerAdam, "_handle", record)
     engine = _train("fp32", StepMode(), True, monkeypatch, gpu_update_blocks=2)
-    assert handled == {"slideformer-layer-adam-gpu": {1, 2}, "slideformer-layer-adam": {0, 3, 4}}
+    assert handled == {"slideformer-layer-adam-gpu": {1, 3}, "slideformer-layer-adam": {0, 2, 4}}
     assert engine.stats()["gpu_update_busy_s"] > 0
     engine.close()
 
