@@ -79,8 +79,8 @@ class SlideConfig:
         Compact moments support Adam and AdamW without amsgrad; checkpoints hold them compact and load into a run
         of any moment_precision (converted where the precision differs). On CUDA, compact moments in RAM are
         updated on the GPU (page-locked, copied up and back per chunk; `device_update`), elsewhere by a CPU thread pool.
-    gpu_update_blocks: with fp32 moments on CUDA, how many decoder blocks (the first ones, whose updates end a
-        step's backward) have their AdamW run on the GPU, at the same time as the CPU updates the rest: their
+    gpu_update_blocks: with fp32 moments on CUDA, how many decoder blocks (spread evenly over the model, so that
+        both sides work from the backward's start) have their AdamW run on the GPU while the CPU updates the rest: their
         master and moments are page-locked and go up and back per update (24 bytes/param of PCIe), the gradient
         never leaves the GPU, and the new weights go straight into the block's slot. This takes CPU update work
         (and about 36 bytes/param of host-memory traffic) off steps that the CPU update bounds. "auto": as many as
