@@ -262,9 +262,8 @@ class Scratch:
 
 class LayerAdam:
     """Owns the unit storages' optimizer state and the threads that update them: one for the units updated on the
-    CPU, one for those updated on the GPU (`on_device`), so that neither kind waits in the other's queue: the GPU's
-    units are the first blocks, whose gradients come last, and behind a CPU backlog their updates would start only
-    once the CPU's had ended.
+    CPU, one for those updated on the GPU (`on_device`), so that neither kind waits in the other's queue (behind a
+    CPU backlog, a GPU block's update would start only once the CPU's ahead of it had ended).
 
     `scheduled[u]` counts updates launched for unit u, `applied[u]` those finished: a unit's weights may be
     loaded for compute only when the two agree.
