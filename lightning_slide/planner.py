@@ -461,7 +461,8 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     tile = _mlp_tile(shape, setup, tokens)
     block = block_workspace_bytes(tokens, shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim,
                                   shape.intermediate, setup.compute_bytes, _kernels(setup), tile and tile[1])
-    block -= _grouped_attention_saving(shape, setup, tokens)
+    if setup.grouped_attention and _kernels(setup):
+        block -= _attention_saving(shape, setup, tokens)
     block += Slot.bytes_for(max((u.numel for u in shape.units if not u.dedicated), default=0), setup.dtype)
     head = head_workspace(tokens, shape.hidden, shape.vocab, setup.compute_bytes,
                           int(setup.config.loss_chunk_mib * 2**20) if _kernels(setup) else None)
@@ -471,11 +472,6 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
 
 def _kernels(setup: Setup) -> bool:
     return setup.cuda and setup.config.use_kernels
-
-
-def _grouped_attention_saving(shape: ModelShape, setup: Setup, tokens: int) -> int:
-    """What a block's backward holds less with its attention over groups of heads, where the setup has it."""
-    return _attention_saving(shape, setup, tokens) if setup.grouped_attention and _kernels(setup) else 0
 
 
 def _attention_saving(shape: ModelShape, setup: Setup, tokens: int) -> int:
