@@ -308,7 +308,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         piece = LayerAdam.widen_elems(largest, precision)
         entries.append(Entry(f"{precision} moments' update buffers ({SETS} chunks)", "gpu",
                              DeviceUpdater.bytes_for(largest, piece, precision,
-                                                     code_kernels_on(torch.device(setup.device)))))
+                                                     code_kernels_on(torch.device(setup.device))),
+                             "gpu_update_blocks=0" if precision == "fp32" else ""))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
     if setup.training and setup.mode.sums:

@@ -206,6 +206,7 @@ def test_the_plan_pins_the_moments_of_fp32_blocks_updated_on_the_gpu_and_counts_
     assert entries["Adam exp_avg + exp_avg_sq (fp32)"].bytes == 8 * shape.trainable - locked.bytes
     assert entries["fp32 moments' update buffers (2 chunks)"].bytes == device_update.DeviceUpdater.bytes_for(
         block, 1 << 22, "fp32", False)
+    assert entries["fp32 moments' update buffers (2 chunks)"].remedy == "gpu_update_blocks=0"  # named if refused
 
 
 def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_run_there():
