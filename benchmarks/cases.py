@@ -343,6 +343,9 @@ SUITES: dict[str, list[Case]] = {
     # ("auto", the default) take them out of the CPU backlog ahead of the embedding's, against none on the GPU
     "boundary": [make("slide", "llama3_8b", 64, slide_settings=settings)
                  for settings in ((), (("gpu_update_blocks", 0),))],
+    # 3B 8x1024, where the backward waits for free gradient buffers: the default 3 against 6
+    "grad_buffers": [make("slide", "llama3_3b", 8, slide_settings=settings)
+                     for settings in ((), (("block_grad_buffers", 6),))],
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])

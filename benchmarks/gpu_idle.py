@@ -15,11 +15,15 @@ while a copy or another stream's kernel ran (the compute most likely waited on a
 follows the window's closing synchronisation, so it only leads in and is not counted.
 
 `kernels_s` says what the busy time was: the compute stream's kernel time per counted step by kernel name,
-the largest first, so two cases of one model can be told apart kernel by kernel.
+the largest first, so two cases of one model can be told apart kernel by kernel. `gaps` says where the idle
+time sits: the longest gaps of the last counted step, each with its offset into the step, the compute kernels
+either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so a wait at the step
+boundary can be told from a wait inside the backward.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import tempfile
 from collections import Counter
@@ -32,6 +36,8 @@ MARKER = "spin_kernel"  # the kernel torch.cuda._sleep launches
 MARKER_CYCLES = 500
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP_KERNELS = 15  # kernel names kept in `kernels_s`
+TOP_GAPS = 8  # idle gaps kept in `gaps`
+TOP_BESIDE = 4  # names of the other work kept per gap
 NAME_CHARS = 100
 Interval = tuple[float, float]
 
@@ -82,6 +88,7 @@ class Activity:
     other: list[Interval]
     boundaries: list[float]
     names: list[str]  # the compute kernels' names, in the order of `compute`
+    other_names: list[str]  # the other work's names, in the order of `other`
 
 
 def read_trace(trace: dict) -> Activity:
@@ -93,12 +100,14 @@ def read_trace(trace: dict) -> Activity:
     stream = Counter(_stream(e) for e in markers).most_common(1)[0][0]
     on_compute = [e for e in events if e["cat"] == "kernel" and _stream(e) == stream]
     kernels = [e for e in on_compute if MARKER not in e.get("name", "")]
+    others = [e for e in events if not (e["cat"] == "kernel" and _stream(e) == stream)]
     return Activity(
         stream=stream,
         compute=[_interval(e) for e in kernels],
-        other=[_interval(e) for e in events if not (e["cat"] == "kernel" and _stream(e) == stream)],
+        other=[_interval(e) for e in others],
         boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
         names=[e.get("name", "?")[:NAME_CHARS] for e in kernels],
+        other_names=[e.get("name", "?")[:NAME_CHARS] for e in others],
     )
 
 
@@ -123,7 +132,28 @@ def idle_per_step(activity: Activity) -> dict:
                            ("idle_copying_s", copying), ("idle_empty_s", length(idle) - copying)):
             rows[key].append(value / 1e6)
     steps = len(rows["step_s"])
-    return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps)}
+    return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
+            "gaps": largest_gaps(activity)}
+
+
+def largest_gaps(activity: Activity) -> list[dict]:
+    """The last counted step's `TOP_GAPS` longest compute-stream gaps, longest first: offset into the step and
+    length (s), the compute kernels before and after, and the other work that overlapped it (s per name)."""
+    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
+    order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
+    starts = [activity.compute[i][0] for i in order]
+    out = []
+    for start, end in sorted(gaps(union(activity.compute), lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
+        after = bisect.bisect_left(starts, end)
+        beside: Counter[str] = Counter()
+        for (a, b), name in zip(activity.other, activity.other_names):
+            if a < end and b > start:
+                beside[name] += (min(b, end) - max(a, start)) / 1e6
+        out.append({"at_s": (start - lo) / 1e6, "idle_s": (end - start) / 1e6,
+                    "before": activity.names[order[after - 1]] if after > 0 else None,
+                    "after": activity.names[order[after]] if after < len(order) else None,
+                    "beside_s": dict(beside.most_common(TOP_BESIDE))})
+    return out
 
 
 def kernel_times(activity: Activity, steps: int) -> dict[str, float]:

@@ -143,6 +143,17 @@ def test_idle_is_the_compute_streams_gaps_between_step_markers() -> None:
         read_trace({"traceEvents": _trace()["traceEvents"][:2]})
 
 
+def test_the_last_steps_longest_gaps_name_their_neighbours_and_what_ran_beside() -> None:
+    trace = _trace()
+    trace["traceEvents"] += [_kernel(2000.0, 300.0, name="embed"), _kernel(2500.0, 500.0, name="head"),
+                             _kernel(2350.0, 100.0, stream=20, name="Memcpy DtoH", cat="gpu_memcpy")]
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["ts"] == 2000.0 and e["name"] == "gemm")]
+    (gap,) = idle_per_step(read_trace(trace))["gaps"]  # step 3 only: 2300-2500 idle
+    assert gap["at_s"] == pytest.approx(3e-4) and gap["idle_s"] == pytest.approx(2e-4)
+    assert (gap["before"], gap["after"]) == ("embed", "head")
+    assert gap["beside_s"] == {"Memcpy DtoH": pytest.approx(1e-4)}
+
+
 def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
     trace = _trace()
     trace["traceEvents"].append(_kernel(2100.0, 200.0, name="norm"))
