@@ -91,26 +91,19 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
                       on_disk: Collection[int], trainable: Sequence[int], device: torch.device) -> list[int]:
     """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
     moments are in RAM; with fp32 ones `gpu_update_blocks` of the decoder blocks in RAM, spread evenly over them
-    ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates`, with the embedding first where
-    `embedding_first` says so; none where the rates cannot be measured). Spread, because the backward holds only a
-    few gradients at a time: were the GPU's blocks the last the backward reaches, it would reach them only after
-    the CPU had taken the others' gradients, one by one."""
+    ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates`, none where they cannot be
+    measured). Spread, because the backward holds only a few gradients at a time: were the GPU's blocks the last
+    the backward reaches, it would reach them only after the CPU had taken the others' gradients, one by one."""
     in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
     if precision != "fp32":
         return in_ram
     blocks = [u for u in in_ram if not dedicated[u] and trainable[u]]
-    lead: list[int] = []
     if gpu_update_blocks == "auto":
         rates = measured_rates(device)
-        if rates is None:
-            return []
-        if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates):
-            lead = [0]
-        on_gpu = sum(trainable[u] for u in lead)
-        kept = sum(trainable) - sum(trainable[u] for u in blocks) - on_gpu  # the CPU's whatever the split
-        gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates, on_gpu)
+        kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
+        gpu_update_blocks = 0 if rates is None else balanced_blocks(kept, [trainable[u] for u in blocks], rates)
     k = min(gpu_update_blocks, len(blocks))
-    return lead + [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
+    return [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
 
 
 @dataclass(frozen=True)
@@ -121,34 +114,17 @@ class UpdateRates:
     cpu_elems_s: float
     link_bytes_s: float
 
-    @property
-    def direction_bytes_s(self) -> float:
-        return self.link_bytes_s / 2
 
-
-def embedding_first(rates: UpdateRates) -> bool:
-    """Whether the embedding's update, the next forward's first need and complete only when the backward ends,
-    is ready sooner on the GPU: there its master and moments go up (`FP32_LINK_BYTES` / 2 per element; the update
-    and the copies back follow chunk by chunk, and the new weights land in its slot); on the CPU its gradient comes
-    down as the update runs, then its new weights go up (`CPU_UNIT_LINK_BYTES` each). Per element, the GPU's
-    chain is the shorter where 12 B take less than the CPU's update plus its 4 B load."""
-    direction = rates.direction_bytes_s
-    gpu = FP32_LINK_BYTES / 2 / direction
-    cpu = max(1 / rates.cpu_elems_s, CPU_UNIT_LINK_BYTES / direction) + CPU_UNIT_LINK_BYTES / direction
-    return gpu < cpu
-
-
-def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates, on_gpu: int = 0) -> int:
+def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates) -> int:
     """How many of the decoder `blocks` (their trainable sizes) to update on the GPU so that a step's updates end
     soonest, the CPU's and the link's running at once. Each direction of the link carries `FP32_LINK_BYTES` / 2 per
     element the GPU updates (master and moments) and `CPU_UNIT_LINK_BYTES` per element the CPU updates (its fp32
     gradient down, its new weights up on the next load); the CPU updates `kept` elements besides the blocks it
-    keeps, the GPU `on_gpu` besides the blocks it takes. The GPU's kernels are not counted: a few memory-bound
-    passes, far below either."""
-    direction = rates.direction_bytes_s
+    keeps. The GPU's kernels are not counted: a few memory-bound passes, far below either."""
+    direction = rates.link_bytes_s / 2
 
     def finish(k: int) -> float:
-        gpu, cpu = on_gpu + sum(blocks[:k]), kept + sum(blocks[k:])
+        gpu, cpu = sum(blocks[:k]), kept + sum(blocks[k:])
         link = (gpu * FP32_LINK_BYTES / 2 + cpu * CPU_UNIT_LINK_BYTES) / direction
         return max(cpu / rates.cpu_elems_s, link)
     return min(range(len(blocks) + 1), key=finish)

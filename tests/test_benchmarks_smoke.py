@@ -98,7 +98,7 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
 
 def test_suites_are_named_for_what_they_measure() -> None:
     assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "ladders",
-                           "long", "tiling", "gpu_updates", "boundary", "smoke", "full"}
+                           "long", "tiling", "gpu_updates", "boundary", "grad_buffers", "smoke", "full"}
     assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
 
 
