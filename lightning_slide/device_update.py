@@ -47,7 +47,7 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 208 MiB a set with 8-bit moments)
-SETS = 2  # buffer sets: one chunk goes up while the one before it is updated and comes back
+SETS = 2  # buffer sets, each on its own stream: one chunk's copies overlap the other's update
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
 FP32_LINK_BYTES = 24  # an fp32 update on the GPU: master and both moments, up and back
 CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
@@ -221,16 +221,6 @@ class _Buffers:
         return 4 * n + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
-@dataclass
-class _Copies:
-    """A chunk's state and gradient as they are in its buffer set on the device, views of the set's rows."""
-
-    master: torch.Tensor
-    values: list[torch.Tensor]
-    scales: list[torch.Tensor | None]
-    grad: torch.Tensor
-
-
 class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
@@ -243,12 +233,8 @@ class DeviceUpdater:
         self.code_kernels = codecs[0].precision != "fp32" and (
             code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
-        # three stages, each in its own order: copies up, updates, copies back (`run`)
-        self.up, self.compute, self.down = (Lane(device, side=True) for _ in range(3))
+        self.lanes = [Lane(device, side=True) for _ in range(SETS)]
         self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in range(SETS)]
-        self.free: list[object] = [None] * SETS  # after each set's last copies back
-        self.next = 0  # the set the next chunk takes
-        self.landed: dict[int, object] = {}  # unit -> after its last copies back: its host state is written
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
@@ -287,68 +273,43 @@ class DeviceUpdater:
         """Queue AdamW over [start, start + len(grad)) of `storage`'s trainable range: `master` and `moments` are
         that range's host copies, `grad` is on the device (after `ready`) or on the host; the new weights also go
         into `slot` unless the window took it back. Returns the event after which the host copies (and the slot)
-        hold the result and `grad` may be reused.
-
-        Chunk by chunk, in three stages that each keep their own order: the copies up (once the set is free and
-        the unit's previous copies back have landed), the update, the copies back. So a chunk goes up while the
-        one before it comes back, and both directions of PCIe carry a chunk at once (with a chunk's copies both
-        ways on one stream per set, the two sets' copies fall into step: both go up, then both come back)."""
+        hold the result and `grad` may be reused."""
         n = grad.numel()
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
         groups = groups_of(storage, plan)
         weights = slot.params[start : start + n] if slot is not None and slot.take() else None
-        self.up.wait(self.landed.get(storage.index))
-        for a in range(0, n, self.chunk):
-            b, k = min(a + self.chunk, n), self.next
-            self.next = (k + 1) % SETS
-            room, state = self.sets[k], (master[a:b], *(m[a:b] for m in moments))
-            with self.up():
-                self.up.wait(self.free[k])
-                copies = self._copy_up(room, state, grad[a:b], ready)
-                copied = self.up.record()
-            with self.compute():
-                self.compute.wait(copied)
-                self.compute.wait(ready)
+        for i, a in enumerate(range(0, n, self.chunk)):
+            b = min(a + self.chunk, n)
+            lane, room = self.lanes[i % SETS], self.sets[i % SETS]
+            with lane():
+                lane.wait(ready)
                 if weights is not None:
-                    self.compute.wait(slot.free)
-                self._update(room, copies, storage, plan, groups, start + a, scale,
-                             None if weights is None else weights[a:b])
-                updated = self.compute.record()
-            with self.down():
-                self.down.wait(updated)
-                self._copy_back(copies, state, storage, start + a)
-                self.free[k] = self.down.record()
-        with self.down():
-            self.landed[storage.index] = event = self.down.record()
-        return event
+                    lane.wait(slot.free)
+                self._chunk(room, storage, plan, groups, start + a, grad[a:b], master[a:b],
+                            tuple(m[a:b] for m in moments), scale, None if weights is None else weights[a:b])
+        for lane in self.lanes[1:]:
+            self.lanes[0].wait(lane.record())
+        return self.lanes[0].record()
 
-    def _copy_up(self, room: _Buffers, state: tuple[torch.Tensor, Packed, Packed], grad: torch.Tensor,
-                 ready: object) -> _Copies:
-        """A chunk's master and stored moments (and a host gradient, after `ready`) into the set `room`."""
-        master, *moments = state
+    def _chunk(self, room: _Buffers, storage: UnitStorage, plan: StepPlan,
+               groups: tuple[list[list[float]], list[list[bool]], list[int]], start: int, grad: torch.Tensor,
+               master: torch.Tensor, moments: tuple[Packed, ...], scale: float | None,
+               weights: torch.Tensor | None) -> None:
+        """One chunk on the current stream (a lane's: everything it allocates is ordered there): copies up, the
+        update, copies back (and the new weights into their slot)."""
         n = grad.numel()
+        step = torch.full((), float(plan.step), device=self.device)
+        grad_scale = None if scale is None else torch.full((), scale, device=self.device)
         gm = room.master[:n].copy_(master, non_blocking=True)
         values = [v[:n].copy_(m.values, non_blocking=True) for v, m in zip(room.values, moments)]
         scales = [None if s is None else s[: m.scales.numel()].copy_(m.scales, non_blocking=True)
                   for s, m in zip(room.scales, moments)]
-        bytes_ = n * 4 + sum(m.values.numel() * m.values.element_size() + (
+        state = gm.numel() * 4 + sum(m.values.numel() * m.values.element_size() + (
             0 if m.scales is None else m.scales.numel() * 4) for m in moments)
-        self.bytes_up, self.bytes_down = self.bytes_up + bytes_, self.bytes_down + bytes_
+        self.bytes_up, self.bytes_down = self.bytes_up + state, self.bytes_down + state
         if grad.device != self.device:
             self.bytes_up += n * grad.element_size()
-            self.up.wait(ready)
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
-        return _Copies(gm, values, scales, grad)
-
-    def _update(self, room: _Buffers, copies: _Copies, storage: UnitStorage, plan: StepPlan,
-                groups: tuple[list[list[float]], list[list[bool]], list[int]], start: int, scale: float | None,
-                weights: torch.Tensor | None) -> None:
-        """AdamW over a chunk in the set `room` (on the current stream, where everything it allocates is ordered),
-        and the new weights into their slot."""
-        gm, values, scales, grad = copies.master, copies.values, copies.scales, copies.grad
-        n = grad.numel()
-        step = torch.full((), float(plan.step), device=self.device)
-        grad_scale = None if scale is None else torch.full((), scale, device=self.device)
         hyper, flags, bounds = groups
         shifts = [c.shift for c in self.codecs]
         wide = room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device)
@@ -363,21 +324,15 @@ class DeviceUpdater:
                               bounds, hyper, flags, None, step, grad_scale, None)
         if self.code_kernels:
             self._encode(moments_in, values, scales, plan.step, storage.index, start)
+        master.copy_(gm, non_blocking=True)
         if weights is not None:
             weights.copy_(gm)  # the cast a load of the fp32 master makes
-
-    @staticmethod
-    def _copy_back(copies: _Copies, state: tuple[torch.Tensor, Packed, Packed], storage: UnitStorage,
-                   start: int) -> None:
-        """A chunk's new master and stored moments from its buffer set to their host copies (and the shadow)."""
-        master, *moments = state
-        master.copy_(copies.master, non_blocking=True)
-        for m, v, s in zip(moments, copies.values, copies.scales):
+        for m, v, s in zip(moments, values, scales):
             m.values.copy_(v, non_blocking=True)
             if s is not None:
                 m.scales.copy_(s, non_blocking=True)
         if storage.shadow is not None:
-            storage.shadow[start : start + master.numel()].copy_(copies.master, non_blocking=True)
+            storage.shadow[start : start + n].copy_(gm, non_blocking=True)
 
     def _decode(self, room: _Buffers, values: list[torch.Tensor], scales: list[torch.Tensor | None],
                 n: int) -> list[torch.Tensor]:
