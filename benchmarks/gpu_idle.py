@@ -18,7 +18,10 @@ follows the window's closing synchronisation, so it only leads in and is not cou
 the largest first, so two cases of one model can be told apart kernel by kernel. `gaps` says where the idle
 time sits: the longest gaps of the last counted step, each with its offset into the step, the compute kernels
 either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so a wait at the step
-boundary can be told from a wait inside the backward.
+boundary can be told from a wait inside the backward. `copies` says how PCIe was used on the same timeline: per
+counted step and direction, the time any copy was moving (the union of the copies' intervals), the bytes moved
+and their rate while moving, and the time both directions moved at once, so copies that run slowly can be told
+from copies that wait.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ TOP_GAPS = 8  # idle gaps kept in `gaps`
 TOP_BESIDE = 4  # names of the other work kept per gap
 NAME_CHARS = 100
 Interval = tuple[float, float]
+COPY_NAMES = {"h2d": "HtoD", "d2h": "DtoH"}  # how the profiler names a copy up and a copy back
 
 
 class IdleProbe:
@@ -89,6 +93,7 @@ class Activity:
     boundaries: list[float]
     names: list[str]  # the compute kernels' names, in the order of `compute`
     other_names: list[str]  # the other work's names, in the order of `other`
+    copies: dict[str, list[tuple[Interval, float]]]  # "h2d" / "d2h" -> (interval, bytes) of each host copy
 
 
 def read_trace(trace: dict) -> Activity:
@@ -108,6 +113,9 @@ def read_trace(trace: dict) -> Activity:
         boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
         names=[e.get("name", "?")[:NAME_CHARS] for e in kernels],
         other_names=[e.get("name", "?")[:NAME_CHARS] for e in others],
+        copies={way: [(_interval(e), float((e.get("args") or {}).get("bytes", 0))) for e in events
+                      if e["cat"] == "gpu_memcpy" and tag in e.get("name", "")]
+                for way, tag in COPY_NAMES.items()},
     )
 
 
@@ -133,7 +141,22 @@ def idle_per_step(activity: Activity) -> dict:
             rows[key].append(value / 1e6)
     steps = len(rows["step_s"])
     return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
-            "gaps": largest_gaps(activity)}
+            "gaps": largest_gaps(activity), "copies": copy_times(activity)}
+
+
+def copy_times(activity: Activity) -> dict[str, list[float]]:
+    """Per counted step: for each direction the seconds some copy moved (`<way>_s`) and the GB moved (`<way>_gb`,
+    a copy counted in the step it started in), and the seconds both directions moved at once (`both_s`)."""
+    out: dict[str, list[float]] = {key: [] for way in COPY_NAMES for key in (f"{way}_s", f"{way}_gb")}
+    out["both_s"] = []
+    for lo, hi in zip(activity.boundaries[1:], activity.boundaries[2:]):
+        moving = {}
+        for way, copies in activity.copies.items():
+            moving[way] = intersect(union([i for i, _ in copies]), [(lo, hi)])
+            out[f"{way}_s"].append(length(moving[way]) / 1e6)
+            out[f"{way}_gb"].append(sum(n for (start, _), n in copies if lo <= start < hi) / 1e9)
+        out["both_s"].append(length(intersect(moving["h2d"], moving["d2h"])) / 1e6)
+    return out
 
 
 def largest_gaps(activity: Activity) -> list[dict]:

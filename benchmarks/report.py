@@ -78,6 +78,8 @@ TARGETS = [
      _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu"), 1.2, False, None),
     ("exposed transfer + update (compute-stream idle) / step at >= 32k tok/step, worst slide case",
      _worst_exposed, 0.03, False, BOUNDARY_HINT),
+    ("8-bit moments, 8B at 8k tok/step: step time / the fp32 CPU-Adam bound",
+     _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu-int8-moments"), 0.7, False, None),
 ]
 
 
@@ -225,6 +227,23 @@ def traffic_md(records: list[dict]) -> str:
     return _table(header, rows) if rows else ""
 
 
+def copies_md(records: list[dict]) -> str:
+    """Per profiled case, per step: how long copies moved each way on the GPU timeline, what they moved, their
+    rate while moving, and how long both directions moved at once (`gpu_idle.copy_times`)."""
+    rows = []
+    for r in records:
+        copies = (r.get("gpu_idle") or {}).get("copies") if r["ok"] else None
+        if not copies or not copies["both_s"]:
+            continue
+        mean = {key: sum(values) / len(values) for key, values in copies.items()}
+        rows.append([r["case"], *(v for way in ("h2d", "d2h") for v in (
+            mean[f"{way}_s"], mean[f"{way}_gb"], mean[f"{way}_gb"] / mean[f"{way}_s"] if mean[f"{way}_s"] else None)),
+            mean["both_s"]])
+    header = ["case", "up: moving s", "up: GB", "up: GB/s while moving", "back: moving s", "back: GB",
+              "back: GB/s while moving", "both ways at once s"]
+    return _table(header, rows) if rows else ""
+
+
 def failures_md(records: list[dict]) -> str:
     rows = [[r["case"], r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
             for r in records if not r["ok"]]
@@ -243,6 +262,9 @@ def tables_md(records: list[dict]) -> str:
     traffic = traffic_md(records)
     if traffic:
         parts += ["### What crossed PCIe (per step)", traffic]
+    copies = copies_md(records)
+    if copies:
+        parts += ["### PCIe on the GPU timeline (per profiled step)", copies]
     parts += ["### Failed or not run (a result in its own right)", failures_md(records)]
     return "\n\n".join(parts)
 

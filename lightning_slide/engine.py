@@ -423,7 +423,7 @@ class SlideEngine:
         recompute (a quarter of its compute). On the CPU the slots grow to every block and graphs are not
         kept (there is no device memory to spend).
         """
-        grow = self.window.blocks - len(self.window.ring) if self.config.slots == "auto" else 0
+        grow = max(0, self.window.blocks - len(self.window.ring)) if self.config.slots == "auto" else 0
         if self.device.type == "cuda":
             limit = available_vram(self.device) + self.allocated()
             spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
@@ -433,7 +433,8 @@ class SlideEngine:
         graphs = ("every part keeps its graph" if math.isinf(self.graphs.limit)
                   else f"{self.graphs.limit / 2**30:.2f} GiB for kept graphs (recompute={self.config.recompute!r})")
         size = f"micro-batches of up to {self._adapted_tokens} tokens: " if self._adapted_tokens else ""
-        self.adaptation = (f"{size}{len(self.window.ring)} of {self.window.blocks} blocks have a GPU slot "
+        held = min(len(self.window.ring), self.window.blocks)  # a ring may start with more slots than blocks
+        self.adaptation = (f"{size}{held} of {self.window.blocks} blocks have a GPU slot "
                            f"({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
 
     def _reopen_adaptation(self) -> None:

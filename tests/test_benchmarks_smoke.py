@@ -98,7 +98,8 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
 
 def test_suites_are_named_for_what_they_measure() -> None:
     assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "ladders",
-                           "long", "tiling", "gpu_updates", "boundary", "grad_buffers", "smoke", "full"}
+                           "long", "tiling", "gpu_updates", "boundary", "grad_buffers", "compact_moments", "smoke",
+                           "full"}
     assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
 
 
@@ -161,6 +162,42 @@ def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
     assert list(kernels) == ["gemm", "norm"]  # the lead-in step's kernel is not counted; the side stream's neither
     assert kernels["gemm"] == pytest.approx((400 + 300 + 1000) / 2 / 1e6)
     assert kernels["norm"] == pytest.approx(200 / 2 / 1e6)
+
+
+def _copy(ts: float, dur: float, way: str, gb: float) -> dict:
+    event = _kernel(ts, dur, stream=30 if way == "HtoD" else 31, name=f"Memcpy {way} (Pinned)", cat="gpu_memcpy")
+    event["args"]["bytes"] = gb * 1e9
+    return event
+
+
+def test_copies_are_timed_per_direction_and_both_ways_at_once_per_step() -> None:
+    trace = _trace()  # its one copy up: 1700-1800 in step 2, no byte count
+    trace["traceEvents"] += [_copy(1750.0, 100.0, "HtoD", 2.0), _copy(1800.0, 300.0, "DtoH", 3.0),
+                             _copy(2200.0, 400.0, "DtoH", 1.0), _copy(2500.0, 200.0, "HtoD", 4.0),
+                             _copy(2950.0, 100.0, "HtoD", 5.0)]  # starts in step 3, ends after it
+    copies = idle_per_step(read_trace(trace))["copies"]
+    assert copies["h2d_s"] == pytest.approx([150e-6, 250e-6])  # 1700-1850; 2500-2700 and 2950-3000
+    assert copies["d2h_s"] == pytest.approx([200e-6, 500e-6])  # 1800-2000 (of 1800-2100); 2000-2100 and 2200-2600
+    assert copies["both_s"] == pytest.approx([50e-6, 100e-6])  # 1800-1850; 2500-2600
+    assert copies["h2d_gb"] == pytest.approx([2.0, 9.0]) and copies["d2h_gb"] == pytest.approx([3.0, 1.0])
+
+
+def test_the_report_shows_each_profiled_cases_copies_and_their_rate() -> None:
+    idle = {"copies": {"h2d_s": [1.0, 1.0], "h2d_gb": [40.0, 44.0], "d2h_s": [0.5, 0.5], "d2h_gb": [20.0, 20.0],
+                       "both_s": [0.4, 0.2]}}
+    record = _record("llama3_8b-mb8-cap24-slide-cpu", tokens_per_s=3000.0, step_s_mean=2.7, gpu_idle=idle)
+    assert "| llama3_8b-mb8-cap24-slide-cpu | 1 | 42 | 42 | 0.5 | 20 | 40 | 0.3 |" in report.copies_md([record])
+
+
+def test_the_8_bit_moments_step_is_measured_against_the_fp32_cpu_adam_bound() -> None:
+    case = CASES["llama3_8b-mb8-cap24-slide-cpu-int8-moments"]
+    assert case.settings == {"moment_precision": "int8"} and case in SUITES["compact_moments"]
+    records = [_record("probe", adam={"params_per_s": 4e9, "params": 5e8, "threads": 16, "step_s": 0.125},
+                       pcie={"h2d_gbs": 50.0, "d2h_gbs": 50.0, "bidir_gbs": 90.0}),
+               _record(case.name, tokens_per_s=4500.0, step_s_mean=1.5)]
+    finalize(records)
+    (row,) = [row for row in report.target_rows(records) if row["target"].startswith("8-bit moments")]
+    assert row["value"] == pytest.approx(1.5 / (8030261248 / 4e9)) and row["met"] is False
 
 
 def test_cpu_runs_are_not_profiled_and_record_no_idle_time() -> None:

@@ -91,6 +91,17 @@ def test_the_log_says_how_the_first_step_sized_the_window_and_kept_graphs(caplog
                      "(3 added, 0.00 GiB); 0.00 GiB for kept graphs (recompute='auto')"]
 
 
+def test_the_log_counts_no_more_slots_than_blocks_when_the_ring_starts_larger(caplog):
+    import logging
+
+    from tests.runtime.helpers import fit
+
+    with caplog.at_level(logging.INFO):
+        fit(tiny_model("llama", num_hidden_layers=2), token_batches(3), "slideformer", 3)
+    (line,) = [r.getMessage() for r in caplog.records if "window sized" in r.getMessage()]
+    assert ": 2 of 2 blocks have a GPU slot (0 added, 0.00 GiB);" in line
+
+
 def test_a_lookahead_load_skips_a_unit_whose_update_is_still_pending():
     """At a step's start the next units may still be updating: their own calls wait, the prefetch does not."""
     import threading
