@@ -20,7 +20,42 @@ MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def _by_case(records: list[dict]) -> dict[str, dict]:
-    return {r["case"]: r for r in records if r["ok"]}
+    return {r["case"]: r for r in case_means(records) if r["ok"]}
+
+
+def case_means(records: list[dict]) -> list[dict]:
+    """One record per case, in first-run order: a case run in several rounds stands as its first successful
+    record with the rounds' mean throughput, step time and idle share (`rounds`: how many it averages)."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["case"], []).append(r)
+    out = []
+    for group in groups.values():
+        ran = [r for r in group if r["ok"] and r.get("tokens_per_s")]
+        if len(ran) < 2:
+            out.append(ran[0] if ran else group[0])
+            continue
+        mean = {key: sum(r[key] for r in ran) / len(ran) for key in ("tokens_per_s", "step_s_mean")}
+        shares = [r["exposed_s"]["share"] for r in ran if (r.get("exposed_s") or {}).get("share") is not None]
+        exposed = {**ran[0]["exposed_s"], "share": sum(shares) / len(shares)} if shares else ran[0].get("exposed_s")
+        out.append({**ran[0], **mean, "exposed_s": exposed, "rounds": len(ran)})
+    return out
+
+
+def label(record: dict) -> str:
+    """A record's case name, with its round where the run had several."""
+    return record["case"] + (f" (round {record['round']})" if record.get("round") else "")
+
+
+def rounds_md(records: list[dict]) -> str:
+    """Per case run in several rounds: each round's throughput, the mean and the spread (max / min - 1)."""
+    rows = []
+    for r in case_means(records):
+        if r.get("rounds"):
+            each = [x["tokens_per_s"] for x in records if x["case"] == r["case"] and x["ok"] and x.get("tokens_per_s")]
+            rows.append([r["case"], " / ".join(f"{t:,.0f}" for t in each), r["tokens_per_s"],
+                         f"{100 * (max(each) / min(each) - 1):.1f}%"])
+    return _table(["case", "tok/s by round", "mean tok/s", "spread"], rows) if rows else ""
 
 
 def _slide(name: str, ok: dict[str, dict]) -> str:
@@ -130,7 +165,7 @@ def cases_md(records: list[dict]) -> str:
             continue
         bounds, idle = r.get("bounds_s") or {}, r.get("exposed_s") or {}
         share = idle.get("share")
-        rows.append([r["case"], r["system"], tier_label(r), r["tokens_per_step"], r["vram_cap_gib"],
+        rows.append([label(r), r["system"], tier_label(r), r["tokens_per_step"], r["vram_cap_gib"],
                      r["tokens_per_s"], r["step_s_mean"], r.get("tflops_6nt"), r.get("tflops_full"),
                      r.get("peak_vram_alloc_gib"), r.get("peak_vram_reserved_gib"), r.get("peak_rss_gib"),
                      bounds.get("gpu_compute"), bounds.get("pcie"), bounds.get("cpu_update"), r.get("binding"),
@@ -194,7 +229,7 @@ def _engine_steps(records: list[dict], counter: str) -> Iterator[tuple[str, dict
     for r in records:
         engine = r.get("engine_per_step") or {}
         if r["ok"] and counter in engine:
-            yield r["case"], engine
+            yield label(r), engine
 
 
 def waits_md(records: list[dict]) -> str:
@@ -236,7 +271,7 @@ def copies_md(records: list[dict]) -> str:
         if not copies or not copies["both_s"]:
             continue
         mean = {key: sum(values) / len(values) for key, values in copies.items()}
-        rows.append([r["case"], *(v for way in ("h2d", "d2h") for v in (
+        rows.append([label(r), *(v for way in ("h2d", "d2h") for v in (
             mean[f"{way}_s"], mean[f"{way}_gb"], mean[f"{way}_gb"] / mean[f"{way}_s"] if mean[f"{way}_s"] else None)),
             mean["both_s"]])
     header = ["case", "up: moving s", "up: GB", "up: GB/s while moving", "back: moving s", "back: GB",
@@ -245,7 +280,7 @@ def copies_md(records: list[dict]) -> str:
 
 
 def failures_md(records: list[dict]) -> str:
-    rows = [[r["case"], r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
+    rows = [[label(r), r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
             for r in records if not r["ok"]]
     return _table(["case", "system", "error"], rows) if rows else "None."
 
@@ -253,6 +288,9 @@ def failures_md(records: list[dict]) -> str:
 def tables_md(records: list[dict]) -> str:
     """The tables the README embeds (no header, no images)."""
     parts = [probe_md(records), "### Targets", targets_md(records), "### Cases", cases_md(records)]
+    rounds = rounds_md(records)
+    if rounds:
+        parts += ["### Rounds (the targets and plots use each case's mean)", rounds]
     ladders = ladders_md(records)
     if ladders:
         parts += ["### Largest that fits under the cap", ladders, "### Every rung that ran", rungs_md(records)]
@@ -293,7 +331,7 @@ def summary_text(records: list[dict]) -> str:
             lines.append(f"{r['case']:<44} largest {r['ladder']['max_passed']}, then {_ending(r['ladder'])[:90]}")
             continue
         error = "" if r["ok"] else str(r["error"]).splitlines()[0][:70]
-        lines.append(f"{r['case']:<44} {_f(r.get('tokens_per_s')):>9} {_f(r.get('step_s_mean')):>7}  {error}")
+        lines.append(f"{label(r):<44} {_f(r.get('tokens_per_s')):>9} {_f(r.get('step_s_mean')):>7}  {error}")
     lines += [f"target: {row['target']}: {_f(row['value'])} (goal {row['goal']}, binds: {row['binding']})"
               for row in target_rows(records)]
     return "\n".join(lines)
@@ -307,8 +345,8 @@ def write(out: Path, records: list[dict]) -> None:
     except ImportError as error:
         print(f"plots skipped: {error}")
         return
-    plot_throughput(records, out / PLOTS[0])
-    plot_bounds(records, out / PLOTS[1])
+    plot_throughput(case_means(records), out / PLOTS[0])
+    plot_bounds(case_means(records), out / PLOTS[1])
 
 
 def load(folder: Path) -> list[dict]:
@@ -316,13 +354,15 @@ def load(folder: Path) -> list[dict]:
 
 
 def copy_results(src: Path, dest: Path, records: list[dict]) -> None:
-    """The run's files plus one `<case>.json` per case (each record readable on its own) into `dest`."""
+    """The run's files plus one `<case>.json` per record (each readable on its own; `<case>-round<k>.json` where
+    the run had rounds) into `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("results.jsonl", "summary.md", *PLOTS):
         if (src / name).exists():
             shutil.copy2(src / name, dest / name)
     for record in records:
-        (dest / f"{record['case']}.json").write_text(json.dumps(record, indent=1) + "\n")
+        suffix = f"-round{record['round']}" if record.get("round") else ""
+        (dest / f"{record['case']}{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def update_readme(readme: Path, records: list[dict]) -> None:

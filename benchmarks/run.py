@@ -143,9 +143,10 @@ class Runner:
     def remaining(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
 
-    def run_all(self, cases: list[Case]) -> list[dict]:
-        for case in cases:
-            record = {**base_record(case), **self.common}
+    def run_all(self, cases: list[Case], rounds: int = 1) -> list[dict]:
+        """Every case, in order, `rounds` times over (each record then names its `round`, from 1)."""
+        for turn, case in ((k, case) for k in range(rounds) for case in cases):
+            record = {**base_record(case), **self.common, **({"round": turn + 1} if rounds > 1 else {})}
             skip = skip_reason(case, self.remaining(), self.include_known)
             if skip:
                 record["error"] = skip
@@ -315,7 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="git sha to record (default: this checkout's HEAD, if git is there)")
     parser.add_argument("--list", action="store_true", help="list suites and cases with estimates, then exit")
     parser.add_argument("--plan", action="store_true", help="show which cases the budget would run, then exit")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the cases this many times over, in turn (A B A B), to compare them past the "
+                             "spread between processes; targets and plots use each case's mean")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     if args.list:
         for name, cases in SUITES.items():
             minutes = sum(c.est_s for c in cases if not c.known_failure) / 60
@@ -324,13 +330,13 @@ def main(argv: list[str] | None = None) -> int:
                           for c in cases))
         return 0
     if args.plan:
-        print(plan(resolve(args.cases), args.budget_s, args.include_known_failures))
+        print(plan(resolve(args.cases) * args.rounds, args.budget_s, args.include_known_failures))
         return 0
     if args.out is None:
         parser.error("--out is required")
     command = shlex.join(["python", "-m", "benchmarks.run", *(argv if argv is not None else sys.argv[1:])])
     runner = Runner(args.out, args.budget_s, args.include_known_failures, command, args.commit)
-    records = runner.run_all(resolve(args.cases))
+    records = runner.run_all(resolve(args.cases), args.rounds)
     print(report.summary_text(records))
     return 0
 

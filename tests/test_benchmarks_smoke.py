@@ -303,6 +303,28 @@ def test_runner_records_skipped_cases_when_the_budget_is_spent(tmp_path) -> None
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 1
 
 
+def test_runner_runs_the_cases_in_turn_for_each_round(tmp_path) -> None:
+    runner = Runner(tmp_path, budget_s=0.0, include_known_failures=False, command="test")
+    records = runner.run_all(resolve(["probe-cpu", "tiny-mb4-seq64-capnone-ceiling"]), rounds=2)
+    assert [(r["case"], r["round"]) for r in records] == [("probe-cpu", 1), ("tiny-mb4-seq64-capnone-ceiling", 1),
+                                                          ("probe-cpu", 2), ("tiny-mb4-seq64-capnone-ceiling", 2)]
+
+
+def test_rounds_enter_the_targets_as_each_cases_mean_and_show_their_spread(tmp_path) -> None:
+    slide, ds3 = "llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3"
+    records = [_record(slide, tokens_per_s=9000.0, step_s_mean=0.91, round=1),
+               _record(ds3, tokens_per_s=2000.0, step_s_mean=4.1, round=1),
+               _record(slide, tokens_per_s=9900.0, step_s_mean=0.83, round=2),
+               _record(ds3, tokens_per_s=2000.0, step_s_mean=4.1, round=2)]
+    finalize(records)
+    (row,) = [row for row in report.target_rows(records) if row["target"].startswith("3B mb8")]
+    assert row["value"] == pytest.approx(9450.0 / 2000.0)
+    summary = report.summary_md(records)
+    assert f"| {slide} (round 2) |" in summary and f"| {slide} | 9,000 / 9,900 | 9,450 | 10.0% |" in summary
+    report.copy_results(tmp_path, tmp_path / "copy", records)
+    assert (tmp_path / "copy" / f"{slide}-round2.json").exists()
+
+
 def test_runner_climbs_a_tiny_slide_ladder_in_one_worker(tmp_path) -> None:
     case = CASES["tiny-capnone-slide-cpu-max-mb"]
     records = Runner(tmp_path, budget_s=300.0, include_known_failures=False, command="test").run_all([case])
