@@ -31,6 +31,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.lit import allocator_stats
 from benchmarks.records import engine_per_step
 from lightning_slide import SlideStrategy
 from lightning_slide.lm import CausalLMModule
@@ -70,7 +71,7 @@ class StepClock(pl.Callback):
         now = time.perf_counter()
         self.times.append(now - self._last)
         self._last = now
-        before, self.stats = self.stats, trainer.strategy.engine.stats()
+        before, self.stats = self.stats, {**trainer.strategy.engine.stats(), **allocator_stats()}
         self.by_step.append(engine_per_step({"start": before or {"steps": 0}, "end": self.stats}))
         print(f"step {len(self.times)}: {self.times[-1]:.1f} s, rss {psutil.Process().memory_info().rss / GiB:.1f} GiB,"
               f" {self.stats}", flush=True)

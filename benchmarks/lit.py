@@ -62,7 +62,8 @@ class ClockCallback(pl.Callback):
         self.clock.tick(outputs["loss"])
 
     def _snapshot(self, when: str) -> None:
-        self.stats[when] = engine_stats(self._trainer.strategy) if self._trainer else {}
+        stats = engine_stats(self._trainer.strategy) if self._trainer else {}
+        self.stats[when] = {**stats, **allocator_stats()} if stats else {}  # counted per engine step
         self.disk_bytes = disk_bytes(Path(NVME_PATH))
 
 
@@ -72,6 +73,16 @@ def engine_stats(strategy: object) -> dict:
     if not callable(stats):
         return {}
     return {key: _jsonable(value) for key, value in dict(stats()).items()}
+
+
+def allocator_stats() -> dict:
+    """The CUDA caching allocator's running counts of what synchronises the whole device: allocations retried
+    after freeing its cache (`alloc_retries`) and blocks handed back to the driver (`device_frees`, each a
+    cudaFree). Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_frees": stats.get("num_device_free", 0)}
 
 
 def _jsonable(value: object) -> object:

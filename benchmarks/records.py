@@ -13,6 +13,10 @@ import dataclasses
 from benchmarks.cases import OFFLOAD_SYSTEMS, SYSTEMS, Case
 from benchmarks.models import FLOP_FORMULAS, MODELS, step_flops
 
+#: running counts besides the seconds and bytes that `engine_per_step` turns into per-step figures: the CUDA
+#: allocator's device-wide synchronisations (`lit.allocator_stats`)
+COUNTS = ("alloc_retries", "device_frees")
+
 BOUNDS_FORMULA = {
     "gpu_compute": "work FLOPs (FLOP_FORMULAS['full'], with one more block forward when the system recomputes) "
                    "/ the FLOP rate of this run's fwd+bwd ceiling of the same model",
@@ -151,7 +155,7 @@ def engine_per_step(stats: dict) -> dict:
             return {k: per_step(v, before.get(k, 0)) for k, v in now.items()}
         return (now - before) / steps if steps > 0 else now
 
-    return {k: per_step(v, start.get(k, 0)) for k, v in end.items() if k.endswith(("_s", "_bytes"))
+    return {k: per_step(v, start.get(k, 0)) for k, v in end.items() if (k.endswith(("_s", "_bytes")) or k in COUNTS)
             and (isinstance(v, dict) or (isinstance(v, (int, float)) and not isinstance(v, bool)))}
 
 

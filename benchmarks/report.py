@@ -234,17 +234,21 @@ def _engine_steps(records: list[dict], counter: str) -> Iterator[tuple[str, dict
 
 def waits_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step: how busy the optimizer and copy threads were, how long the training
-    thread waited for a free gradient buffer and for updates, the units whose updates it waited for most, and
-    the optimizer thread's own time on those units (a wait longer than that was spent on other work first)."""
+    thread waited for a free gradient buffer and for updates, the units whose updates it waited for most, the
+    optimizer thread's own time on those units (a wait longer than that was spent on other work first), and the
+    CUDA allocator's retries and cudaFree calls (each synchronises the whole device)."""
     rows = []
     for case, engine in _engine_steps(records, "wait_update_s"):
         units = sorted((engine.get("wait_update_by_unit_s") or {}).items(), key=lambda kv: -kv[1])[:3]
         work = engine.get("update_work_by_unit_s") or {}
+        syncs = (None if "alloc_retries" not in engine
+                 else f"{engine['alloc_retries']:.3g} / {engine.get('device_frees', 0):.3g}")
         rows.append([case, engine.get("update_busy_s"), engine.get("copy_busy_s"), engine.get("wait_grads_s"),
                      engine["wait_update_s"], ", ".join(f"{name} {s:.3f}" for name, s in units) or "-",
-                     ", ".join(f"{name} {work[name]:.3f}" for name, _ in units if name in work) or "-"])
+                     ", ".join(f"{name} {work[name]:.3f}" for name, _ in units if name in work) or "-", syncs])
     header = ["case", "update busy s", "copies busy s", "waited for a gradient buffer s", "waited for updates s",
-              "updates waited for most (s)", "optimizer thread's time on them (s)"]
+              "updates waited for most (s)", "optimizer thread's time on them (s)",
+              "allocator retries / device frees"]
     return _table(header, rows) if rows else ""
 
 

@@ -44,8 +44,9 @@ def _trace() -> dict:
 def _run_records() -> list[dict]:
     """A made-up run: probe, 8B ceiling, 8B mb8 and mb64 slide with engine stats and a profile, the 8B ceiling
     with every block recomputed."""
-    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0, "wait_update_s": 0.0},
-             "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9, "wait_update_s": 5.0,
+    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0, "wait_update_s": 0.0, "alloc_retries": 4},
+             "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9, "wait_update_s": 5.0, "alloc_retries": 24,
+                     "device_frees": 10,
                      "h2d_loads_bytes": 600e9, "h2d_saved_inputs_bytes": 0, "h2d_updates_bytes": 40e9,
                      "d2h_gradients_bytes": 300e9, "d2h_saved_inputs_bytes": 0, "d2h_updates_bytes": 20e9,
                      "load_by_unit_bytes": {"embed": 100e9, "block.0": 300e9, "block.1": 200e9},
@@ -241,7 +242,7 @@ def test_report_writes_summary_plots_ladders_and_per_case_json(tmp_path) -> None
     summary = (tmp_path / "summary.md").read_text()
     assert "| llama3_8b-mb8-cap24-slide-cpu |" in summary and "cpu, slots=auto" in summary
     assert "96 failed (step): killed by SIGKILL" in summary and (tmp_path / "bounds.png").exists()
-    assert "| 0.5 | embed 0.300, block.0 0.200 | embed 0.150, block.0 0.100 |" in summary
+    assert "| 0.5 | embed 0.300, block.0 0.200 | embed 0.150, block.0 0.100 | 2 / 1 |" in summary
     assert "| 60 | 0 | 4 | 30 | 0 | 2 | block.0 30.00, block.1 20.00, embed 10.00 |" in summary
     report.copy_results(tmp_path, tmp_path / "results", records)
     assert json.loads((tmp_path / "results" / "probe.json").read_text())["ok"]
