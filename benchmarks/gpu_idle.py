@@ -21,7 +21,8 @@ either side of it and what else the GPU ran meanwhile (by name, seconds of overl
 boundary can be told from a wait inside the backward. `copies` says how PCIe was used on the same timeline: per
 counted step and direction, the time any copy was moving (the union of the copies' intervals), the bytes moved
 and their rate while moving, and the time both directions moved at once, so copies that run slowly can be told
-from copies that wait.
+from copies that wait; `copies_by_stream` splits the last counted step's copies by stream, so the engine's lanes
+(loads, gradients, the GPU updater's sets) can be told apart by what they carry.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Activity:
     boundaries: list[float]
     names: list[str]  # the compute kernels' names, in the order of `compute`
     other_names: list[str]  # the other work's names, in the order of `other`
-    copies: dict[str, list[tuple[Interval, float]]]  # "h2d" / "d2h" -> (interval, bytes) of each host copy
+    copies: dict[str, list[tuple[Interval, float, object]]]  # "h2d" / "d2h" -> (interval, bytes, stream) of each
 
 
 def read_trace(trace: dict) -> Activity:
@@ -113,7 +114,7 @@ def read_trace(trace: dict) -> Activity:
         boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
         names=[e.get("name", "?")[:NAME_CHARS] for e in kernels],
         other_names=[e.get("name", "?")[:NAME_CHARS] for e in others],
-        copies={way: [(_interval(e), float((e.get("args") or {}).get("bytes", 0))) for e in events
+        copies={way: [(_interval(e), float((e.get("args") or {}).get("bytes", 0)), _stream(e)) for e in events
                       if e["cat"] == "gpu_memcpy" and tag in e.get("name", "")]
                 for way, tag in COPY_NAMES.items()},
     )
@@ -141,7 +142,22 @@ def idle_per_step(activity: Activity) -> dict:
             rows[key].append(value / 1e6)
     steps = len(rows["step_s"])
     return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
-            "gaps": largest_gaps(activity), "copies": copy_times(activity)}
+            "gaps": largest_gaps(activity), "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
+
+
+def copy_streams(activity: Activity) -> dict[str, dict[str, float]]:
+    """The last counted step's copies by stream and direction: the seconds that stream's copies moved and their
+    GB (copies counted in the step they started in), so the engine's lanes can be told apart by what they carry."""
+    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
+    out: dict[str, dict[str, float]] = {}
+    for way, copies in activity.copies.items():
+        for stream in {s for _, _, s in copies}:
+            mine = [(i, n) for i, n, s in copies if s == stream and lo <= i[0] < hi]
+            if mine:
+                moving = intersect(union([i for i, _ in mine]), [(lo, hi)])
+                out.setdefault(str(stream), {}).update({f"{way}_s": length(moving) / 1e6,
+                                                         f"{way}_gb": sum(n for _, n in mine) / 1e9})
+    return out
 
 
 def copy_times(activity: Activity) -> dict[str, list[float]]:
@@ -152,9 +168,9 @@ def copy_times(activity: Activity) -> dict[str, list[float]]:
     for lo, hi in zip(activity.boundaries[1:], activity.boundaries[2:]):
         moving = {}
         for way, copies in activity.copies.items():
-            moving[way] = intersect(union([i for i, _ in copies]), [(lo, hi)])
+            moving[way] = intersect(union([i for i, _, _ in copies]), [(lo, hi)])
             out[f"{way}_s"].append(length(moving[way]) / 1e6)
-            out[f"{way}_gb"].append(sum(n for (start, _), n in copies if lo <= start < hi) / 1e9)
+            out[f"{way}_gb"].append(sum(n for (start, _), n, _ in copies if lo <= start < hi) / 1e9)
         out["both_s"].append(length(intersect(moving["h2d"], moving["d2h"])) / 1e6)
     return out
 

@@ -181,6 +181,9 @@ def test_copies_are_timed_per_direction_and_both_ways_at_once_per_step() -> None
     assert copies["d2h_s"] == pytest.approx([200e-6, 500e-6])  # 1800-2000 (of 1800-2100); 2000-2100 and 2200-2600
     assert copies["both_s"] == pytest.approx([50e-6, 100e-6])  # 1800-1850; 2500-2600
     assert copies["h2d_gb"] == pytest.approx([2.0, 9.0]) and copies["d2h_gb"] == pytest.approx([3.0, 1.0])
+    by_stream = idle_per_step(read_trace(trace))["copies_by_stream"]  # step 3: up on stream 30, back on 31
+    assert by_stream == {"30": {"h2d_s": pytest.approx(250e-6), "h2d_gb": pytest.approx(9.0)},
+                         "31": {"d2h_s": pytest.approx(400e-6), "d2h_gb": pytest.approx(1.0)}}
 
 
 def test_the_report_shows_each_profiled_cases_copies_and_their_rate() -> None:
