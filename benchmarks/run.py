@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -145,7 +146,7 @@ class Runner:
 
     def run_all(self, cases: list[Case], rounds: int = 1) -> list[dict]:
         """Every case, in order, `rounds` times over (each record then names its `round`, from 1)."""
-        for turn, case in ((k, case) for k in range(rounds) for case in cases):
+        for turn, case in itertools.product(range(rounds), cases):
             record = {**base_record(case), **self.common, **({"round": turn + 1} if rounds > 1 else {})}
             skip = skip_reason(case, self.remaining(), self.include_known)
             if skip:
