@@ -5,7 +5,8 @@
 #                                       NO_COMPILE=1, OPS_TIMEOUT=s: what finished in time is still collected)
 #                                                                                   -> results/kernels/
 #   bash scripts/gpu.sh bench   a benchmark suite (CASES=, `targets` by default; BUDGET=s to skip
-#                                       the cases that would not fit)              -> results/<suite>/
+#                                       the cases that would not fit; ROUNDS=n to run them in turn n times
+#                                       over)                                      -> results/<suite>/
 #   bash scripts/gpu.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #                                                                                   -> results/capacity/
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
@@ -147,6 +148,7 @@ case "${1:-check}" in
     df -h /tmp | tee -a "$OUT/machine.txt"
     ;;
   bench)
-    python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} --commit "$COMMIT"
+    python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} \
+      ${ROUNDS:+--rounds "$ROUNDS"} --commit "$COMMIT"
     ;;
 esac
