@@ -152,11 +152,10 @@ def copy_streams(activity: Activity) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for way, copies in activity.copies.items():
         for stream in {s for _, _, s in copies}:
-            mine = [(i, n) for i, n, s in copies if s == stream and lo <= i[0] < hi]
+            mine = [c for c in copies if c[2] == stream and lo <= c[0][0] < hi]
             if mine:
-                moving = intersect(union([i for i, _ in mine]), [(lo, hi)])
-                out.setdefault(str(stream), {}).update({f"{way}_s": length(moving) / 1e6,
-                                                         f"{way}_gb": sum(n for _, n in mine) / 1e9})
+                moving, gb = _moved(mine, lo, hi)
+                out.setdefault(str(stream), {}).update({f"{way}_s": length(moving) / 1e6, f"{way}_gb": gb})
     return out
 
 
@@ -168,11 +167,17 @@ def copy_times(activity: Activity) -> dict[str, list[float]]:
     for lo, hi in zip(activity.boundaries[1:], activity.boundaries[2:]):
         moving = {}
         for way, copies in activity.copies.items():
-            moving[way] = intersect(union([i for i, _, _ in copies]), [(lo, hi)])
+            moving[way], gb = _moved(copies, lo, hi)
             out[f"{way}_s"].append(length(moving[way]) / 1e6)
-            out[f"{way}_gb"].append(sum(n for (start, _), n, _ in copies if lo <= start < hi) / 1e9)
+            out[f"{way}_gb"].append(gb)
         out["both_s"].append(length(intersect(moving["h2d"], moving["d2h"])) / 1e6)
     return out
+
+
+def _moved(copies: list[tuple[Interval, float, object]], lo: float, hi: float) -> tuple[list[Interval], float]:
+    """When some of `copies` moved within [lo, hi], and the GB of those that started there."""
+    return (intersect(union([i for i, _, _ in copies]), [(lo, hi)]),
+            sum(n for (start, _), n, _ in copies if lo <= start < hi) / 1e9)
 
 
 def largest_gaps(activity: Activity) -> list[dict]:

@@ -349,8 +349,9 @@ def write(out: Path, records: list[dict]) -> None:
     except ImportError as error:
         print(f"plots skipped: {error}")
         return
-    plot_throughput(case_means(records), out / PLOTS[0])
-    plot_bounds(case_means(records), out / PLOTS[1])
+    means = case_means(records)
+    plot_throughput(means, out / PLOTS[0])
+    plot_bounds(means, out / PLOTS[1])
 
 
 def load(folder: Path) -> list[dict]:
