@@ -46,8 +46,9 @@ from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
-CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 208 MiB a set with 8-bit moments)
-SETS = 2  # buffer sets, each on its own stream: one chunk's copies overlap the other's update
+CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 176 MiB a set, 8-bit moments coded by the kernels)
+SETS = 4  # buffer sets, each on its own stream: up to four chunks in flight (two left the link idle: design.md)
+PRIORITY = -1  # the sets' streams: their kernels run ahead of the backward's queued on the compute stream
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
 FP32_LINK_BYTES = 24  # an fp32 update on the GPU: master and both moments, up and back
 CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
@@ -233,7 +234,7 @@ class DeviceUpdater:
         self.code_kernels = codecs[0].precision != "fp32" and (
             code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
-        self.lanes = [Lane(device, side=True) for _ in range(SETS)]
+        self.lanes = [Lane(device, side=True, priority=PRIORITY) for _ in range(SETS)]
         self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in range(SETS)]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []

@@ -14,10 +14,12 @@ import torch
 class Lane:
     """One ordered queue of device work: compute (the current stream), host-to-device or device-to-host."""
 
-    def __init__(self, device: torch.device, side: bool) -> None:
+    def __init__(self, device: torch.device, side: bool, priority: int = 0) -> None:
+        """`side`: a stream of its own (else the current one); `priority`: its kernels' claim on the GPU's
+        multiprocessors against other streams' (lower runs first; CUDA clamps it to the device's range)."""
         self.cuda = device.type == "cuda"
         self._side = side
-        self.stream = torch.cuda.Stream(device) if self.cuda and side else None
+        self.stream = torch.cuda.Stream(device, priority=priority) if self.cuda and side else None
 
     def current(self) -> torch.cuda.Stream | None:
         if not self.cuda:
