@@ -47,8 +47,9 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 176 MiB a set, 8-bit moments coded by the kernels)
-SETS = 4  # buffer sets, each on its own stream: up to four chunks in flight (two left the link idle: design.md)
-PRIORITY = -1  # the sets' streams: their kernels run ahead of the backward's queued on the compute stream
+FP32_SETS = 2  # buffer sets, each on its own stream, for fp32 blocks (four slowed the CPU's share: design.md)
+COMPACT_SETS = 4  # ... and for compact moments, where the link binds: four chunks in flight (two left it idle)
+COMPACT_PRIORITY = -1  # their streams' kernels run ahead of the backward's queued on the compute stream
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
 FP32_LINK_BYTES = 24  # an fp32 update on the GPU: master and both moments, up and back
 CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
@@ -180,6 +181,11 @@ def code_kernels_on(device: torch.device) -> bool:
     return applies(device)
 
 
+def buffer_sets(precision: str) -> int:
+    """How many chunks of a unit the updater has in flight with moments of `precision`."""
+    return FP32_SETS if precision == "fp32" else COMPACT_SETS
+
+
 def chunk_elems(largest_trainable: int, piece: int) -> int:
     """A buffer set's elements: a whole number of the CPU path's pieces (so the rounding noise lines up), at most
     CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs."""
@@ -234,8 +240,10 @@ class DeviceUpdater:
         self.code_kernels = codecs[0].precision != "fp32" and (
             code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
-        self.lanes = [Lane(device, side=True, priority=PRIORITY) for _ in range(SETS)]
-        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in range(SETS)]
+        compact = codecs[0].precision != "fp32"
+        self.lanes = [Lane(device, side=True, priority=COMPACT_PRIORITY if compact else 0)
+                      for _ in range(buffer_sets(codecs[0].precision))]
+        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in self.lanes]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
@@ -248,7 +256,8 @@ class DeviceUpdater:
         """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
         says)."""
         table = table_bytes(precision)  # the host table, copied up whole
-        return SETS * _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels) + table
+        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels)
+        return buffer_sets(precision) * one + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
         """Take the updates of `units` (RAM moments): their moments are page-locked in place, so that their
@@ -281,7 +290,7 @@ class DeviceUpdater:
         weights = slot.params[start : start + n] if slot is not None and slot.take() else None
         for i, a in enumerate(range(0, n, self.chunk)):
             b = min(a + self.chunk, n)
-            lane, room = self.lanes[i % SETS], self.sets[i % SETS]
+            lane, room = self.lanes[i % len(self.lanes)], self.sets[i % len(self.sets)]
             with lane():
                 lane.wait(ready)
                 if weights is not None:

@@ -28,7 +28,13 @@ from lightning_slide.available import (
     process_rss,
 )
 from lightning_slide.config import SlideConfig
-from lightning_slide.device_update import SETS, DeviceUpdater, code_kernels_on, gpu_updated_units, gpu_updates_on
+from lightning_slide.device_update import (
+    DeviceUpdater,
+    buffer_sets,
+    code_kernels_on,
+    gpu_updated_units,
+    gpu_updates_on,
+)
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import block_graph_per_token, block_workspace_bytes, head_workspace
 from lightning_slide.layer_adam import LayerAdam
@@ -306,7 +312,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     if served:
         largest = max(shape.units[u].trainable for u in served)
         piece = LayerAdam.widen_elems(largest, precision)
-        entries.append(Entry(f"{precision} moments' update buffers ({SETS} chunks)", "gpu",
+        entries.append(Entry(f"{precision} moments' update buffers ({buffer_sets(precision)} chunks)", "gpu",
                              DeviceUpdater.bytes_for(largest, piece, precision,
                                                      code_kernels_on(torch.device(setup.device))),
                              "gpu_update_blocks=0" if precision == "fp32" else ""))

@@ -204,7 +204,7 @@ def test_the_plan_pins_the_moments_of_fp32_blocks_updated_on_the_gpu_and_counts_
     locked = entries["Adam exp_avg + exp_avg_sq (fp32) of the 4 blocks updated on the GPU"]
     assert locked.where == "pinned" and locked.bytes == 4 * 8 * block
     assert entries["Adam exp_avg + exp_avg_sq (fp32)"].bytes == 8 * shape.trainable - locked.bytes
-    buffers = entries[f"fp32 moments' update buffers ({device_update.SETS} chunks)"]
+    buffers = entries["fp32 moments' update buffers (2 chunks)"]
     assert buffers.bytes == device_update.DeviceUpdater.bytes_for(block, 1 << 22, "fp32", False)
     assert buffers.remedy == "gpu_update_blocks=0"  # named if refused
 
@@ -220,12 +220,12 @@ def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_
         plan = Plan.static(shape, Setup(SlideConfig(moment_precision="int8"), device=device))
         entries = {e.what: e for e in plan.entries}
         assert entries["Adam exp_avg + exp_avg_sq (int8)"].where == where
-        buffers = entries.get(f"int8 moments' update buffers ({device_update.SETS} chunks)")
+        buffers = entries.get("int8 moments' update buffers (4 chunks)")
         if device == "cuda":
             assert buffers.where == "gpu" and buffers.bytes == device_update.DeviceUpdater.bytes_for(
                 128256 * 4096, 1 << 16, "int8", device_update.code_kernels_on(torch.device("cuda")))
             # with the kernels (triton on the GPU) the sets take 22 bytes an element; the torch ops' rows and noise more
             sets = device_update.DeviceUpdater.bytes_for(128256 * 4096, 1 << 16, "int8", True)
-            assert sets < device_update.SETS * 23 * device_update.CHUNK_ELEMS
+            assert sets < 4 * 23 * device_update.CHUNK_ELEMS
         else:
             assert buffers is None
