@@ -100,12 +100,28 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
     if precision != "fp32":
         return in_ram
     blocks = [u for u in in_ram if not dedicated[u] and trainable[u]]
+    lead: list[int] = []
     if gpu_update_blocks == "auto":
         rates = measured_rates(device)
+        if rates is None:
+            return []
         kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
-        gpu_update_blocks = 0 if rates is None else balanced_blocks(kept, [trainable[u] for u in blocks], rates)
+        gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates)
+        if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates):
+            lead = [0]  # besides the balanced blocks: the CPU keeps its share of those
     k = min(gpu_update_blocks, len(blocks))
-    return [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
+    return lead + [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
+
+
+def embedding_first(rates: UpdateRates) -> bool:
+    """Whether the embedding's update, the next forward's first need and complete only when the backward ends,
+    is ready sooner on the GPU, where the link is otherwise idle by then: its master and moments go up
+    (`FP32_LINK_BYTES` / 2 per element; the update and the copies back follow chunk by chunk). On the CPU its
+    gradient comes down as the update runs, then its new weights go up (`CPU_UNIT_LINK_BYTES` each way)."""
+    direction = rates.link_bytes_s / 2
+    gpu = FP32_LINK_BYTES / 2 / direction
+    cpu = max(1 / rates.cpu_elems_s, CPU_UNIT_LINK_BYTES / direction) + CPU_UNIT_LINK_BYTES / direction
+    return gpu < cpu
 
 
 @dataclass(frozen=True)

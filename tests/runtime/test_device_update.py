@@ -141,15 +141,27 @@ def test_auto_gives_the_gpu_the_blocks_that_make_both_sides_end_together():
 
 
 def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
-    """The embedding and head (dedicated) and a disk unit stay on the CPU and count on its side."""
+    """The head (dedicated) and a disk unit stay on the CPU and count on its side; at these rates the embedding
+    (dedicated) goes to the GPU besides the balanced blocks."""
     rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=48.0)
     monkeypatch.setattr(device_update, "measured_rates", lambda device: rates)
     dedicated, trainable = [True, False, False, False, False, True], [1, 10, 10, 10, 1, 1]
     units = device_update.gpu_updated_units("fp32", "auto", dedicated, {4}, trainable, torch.device("cpu"))
-    assert units == [1, 3]  # the CPU 13 s, the link 12 s; with one more 15 s (link), one fewer 23 s (CPU)
+    assert units == [0, 1, 3]  # blocks: the CPU 13 s, the link 12 s; with one more 15 s (link), one fewer 23 s (CPU)
     assert device_update.gpu_updated_units("fp32", 1, dedicated, {4}, trainable, torch.device("cpu")) == [2]
     assert device_update.gpu_updated_units("int8", 0, dedicated, {4}, trainable, torch.device("cpu")) == [0, 1, 2,
                                                                                                           3, 5]
+
+
+def test_auto_gives_the_gpu_the_embedding_besides_the_balanced_blocks_where_its_chain_is_shorter_there(monkeypatch):
+    """The embedding's gradient is complete only when the backward ends and the next forward needs it first."""
+    dedicated, trainable = [True, False, False, False, False, True], [1, 10, 10, 10, 1, 1]
+    for cpu_rate, link, first in ((3.1, 72.0, True), (100.0, 72.0, False)):  # H200 machine's rates; a fast CPU
+        rates = device_update.UpdateRates(cpu_elems_s=cpu_rate, link_bytes_s=link)
+        monkeypatch.setattr(device_update, "measured_rates", lambda device, rates=rates: rates)
+        units = device_update.gpu_updated_units("fp32", "auto", dedicated, set(), trainable, torch.device("cpu"))
+        blocks = device_update.balanced_blocks(2, [10, 10, 10, 1], rates)
+        assert (units[:1] == [0]) is first and len(units) == blocks + first
 
 
 def test_the_gpus_units_queue_on_an_optimizer_thread_of_their_own(monkeypatch):
