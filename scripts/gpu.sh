@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-side commands, one per measurement (results: benchmarks/results/README.md).
+#   bash scripts/gpu.sh setup   the wheels below and machine.txt only (scripts/gpu_session.sh runs several commands)
 #   bash scripts/gpu.sh check   every test marked gpu (runtime, kernels, Fabric) -> results/gpu-tests/
 #   bash scripts/gpu.sh ops     the kernel benchmark (benchmarks/bench_ops.py; ONLY=kernels, TOKENS=4096,16384,
 #                                       NO_COMPILE=1, OPS_TIMEOUT=s: what finished in time is still collected)
@@ -49,8 +50,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  wheels=$(ls .whl/*.whl | md5sum)  # installed once per machine and set of wheels
+  if [[ $(cat /tmp/site/.wheels 2>/dev/null) != "$wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && echo "$wheels" > /tmp/site/.wheels
+  fi
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 COMMIT=${COMMIT:-unknown}
@@ -58,6 +63,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)" | tee -a "$OUT/machine.txt"
 
 case "${1:-check}" in
+  setup)  # the wheels and machine.txt only
+    ;;
   check)
     timeout 300 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     ;;
@@ -150,5 +157,8 @@ case "${1:-check}" in
   bench)
     python3 -m benchmarks.run --cases "${CASES:-targets}" --out "$OUT" ${BUDGET:+--budget-s "$BUDGET"} \
       ${ROUNDS:+--rounds "$ROUNDS"} --commit "$COMMIT"
+    ;;
+  *)
+    echo "scripts/gpu.sh: no command '$1' (the commands are listed at the top of the script)" >&2; exit 2
     ;;
 esac

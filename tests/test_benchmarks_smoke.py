@@ -4,7 +4,12 @@ analysis, ladders, report files, tiny cases."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tarfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,8 @@ from benchmarks.records import base_record, finalize
 from benchmarks.run import Runner, plan
 from benchmarks.rungs import run_ladder
 from benchmarks.timing import WindowClock
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record(name: str, **measured: object) -> dict:
@@ -480,3 +487,22 @@ def test_a_save_rate_is_its_file_size_over_its_time_and_links_have_none(tmp_path
     (tmp_path / "last.ckpt").symlink_to("epoch=0-step=6.ckpt")
     run = {"saves_s": {"epoch=0-step=6.ckpt": 2e-6, "last.ckpt": 1e-6, "gone.ckpt": 1.0}}
     assert save_rates(run, tmp_path) == {"epoch=0-step=6.ckpt": pytest.approx(2.0)}
+
+
+def test_a_gpu_session_skips_what_starts_past_its_deadline_and_still_packs_its_archive(tmp_path) -> None:
+    out = tmp_path / "out"
+    python = Path(sys.executable).parent
+    env = {**os.environ, "OUT": str(out), "DEADLINE": "0", "PATH": f"{python}:{os.environ['PATH']}"}
+    steps = ["check", "ab:tiny-mb4-seq64-capnone-slide-cpu:.:."]
+    subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh"), *steps], env=env, check=True,
+                   capture_output=True, timeout=120)
+    said = (out / "session.txt").read_text()
+    assert [line.split("] ", 1)[1] for line in said.splitlines()[:2]] == [f"skipped: {step}" for step in steps]
+    with tarfile.open(out / "session.tgz") as archive:
+        assert "./session.txt" in archive.getnames() and "./setup.log" in archive.getnames()
+
+
+def test_gpu_sh_refuses_a_command_it_does_not_have(tmp_path) -> None:
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "benchh"], capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
+    assert done.returncode == 2 and "no command 'benchh'" in done.stderr
