@@ -14,9 +14,9 @@ from tests.runtime.helpers import engine_steps, param_groups, tiny_model, token_
 
 
 def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch, slots: int | str = "auto",
-           gpu_update_blocks: int = 0) -> SlideEngine:
+           gpu_update_blocks: int | str = 0, arch: str = "llama") -> SlideEngine:
     monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device if on_device else None)
-    model = tiny_model("llama")
+    model = tiny_model(arch)
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
     config = SlideConfig(moment_precision=precision, slots=slots, gpu_update_blocks=gpu_update_blocks)
     engine = SlideEngine(model, optimizer, config, torch.device("cpu"), torch.float32, mode)
@@ -117,6 +117,21 @@ def test_fp32_blocks_updated_on_the_device_train_bit_for_bit_as_on_the_cpu(mode,
     cpu = _train("fp32", mode, False, monkeypatch)
     device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks=2)
     assert device.adam.on_device.units == {1, 3}
+    _assert_same_state(cpu, device)
+    cpu.close(), device.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied"])
+@pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
+def test_the_embedding_updated_on_the_device_besides_the_blocks_trains_bit_for_bit_as_on_the_cpu(arch, mode,
+                                                                                                monkeypatch):
+    """`gpu_update_blocks="auto"` at the H200 machine's rates: the embedding (tied to the head or not) and the
+    balanced blocks go to the device, in several chunks each."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9))
+    cpu = _train("fp32", mode, False, monkeypatch, arch=arch)
+    device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks="auto", arch=arch)
+    assert 0 in device.adam.on_device.units and len(device.adam.on_device.units) > 1
     _assert_same_state(cpu, device)
     cpu.close(), device.close()
 
