@@ -253,10 +253,9 @@ class DeviceUpdater:
         by the codec's torch ops (a pass over the chunk per op)."""
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece)
-        self.code_kernels = codecs[0].precision != "fp32" and (
-            code_kernels_on(device) if code_kernels is None else code_kernels)
-        self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
         compact = codecs[0].precision != "fp32"
+        self.code_kernels = compact and (code_kernels_on(device) if code_kernels is None else code_kernels)
+        self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
         self.lanes = [Lane(device, side=True, priority=COMPACT_PRIORITY if compact else 0)
                       for _ in range(buffer_sets(codecs[0].precision))]
         self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in self.lanes]
