@@ -21,7 +21,6 @@ due() {  # whether `$1` may still start
 }
 
 OUT="$WORK/setup" bash scripts/gpu.sh setup > "$WORK/setup.log" 2>&1  # the wheels into /tmp/site, machine.txt
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 ab() {  # cases, trees...
   local cases=$1 round k tree name commit; shift
@@ -31,8 +30,8 @@ ab() {  # cases, trees...
       name="ab-$k-$(basename "$(realpath "$tree")")-round$round"
       due "$cases at $tree, round $round" || continue
       commit=$(cat "$tree/COMMIT" 2>/dev/null || echo "${COMMIT:-unknown}")
-      (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" python3 -m benchmarks.run --cases "$cases" \
-        --out "$WORK/$name" --commit "$commit") > "$WORK/$name.log" 2>&1
+      (cd "$tree" && PYTHONPATH=/tmp/site CASES="$cases" OUT="$WORK/$name" COMMIT="$commit" bash scripts/gpu.sh bench) \
+        > "$WORK/$name.log" 2>&1  # the tree's own gpu.sh, with the wheels this one installed
       say "$cases at $tree ($commit), round $round: $(grep -c '"ok": true' "$WORK/$name/results.jsonl" 2>/dev/null \
         || echo 0) records ok"
     done
