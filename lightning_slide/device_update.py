@@ -13,10 +13,15 @@ draws its noise exactly as the CPU path's pieces do (`noise_for`). The fused Ada
 Units whose moments are on disk keep the CPU path (their chunks come and go through the disk tier's buffers).
 
 With fp32 moments the same path can take some decoder blocks' updates (`gpu_update_blocks`) off a CPU that bounds
-the step: 24 bytes per parameter of PCIe (master and moments, up and back) instead of the CPU update's host-memory
-traffic and compute. The CPU and the GPU then update at once, on threads of their own (`LayerAdam`), and
-"auto" splits the blocks between them so that both finish together (`balanced_blocks`) at the rates this machine
-shows when the run starts (`measured_rates`: a fused CPU AdamW and pinned copies both ways at once).
+the step: 24 bytes per parameter of PCIe (master and moments, up and back; about 20 with the master as planes)
+instead of the CPU update's host-memory traffic and compute. The CPU and the GPU then update at once, on threads
+of their own (`LayerAdam`), and "auto" splits the blocks between them so that both finish together
+(`balanced_blocks`) at the rates this machine shows when the run starts (`measured_rates`: a fused CPU AdamW and
+pinned copies both ways at once).
+
+Computing in bf16, the units' masters are kept as planes while they train (`master_halves`): a chunk's low halves
+and parities go up, the unit's GPU slot (or, without one, its weights plane) gives the rest, and the same come back,
+the new weights into the slot; 2 1/8 bytes an element of master each way instead of 4.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Literal
 
 import torch
 
+from lightning_slide import master_halves
 from lightning_slide.layer_adam import StepPlan, adam_pieces, groups_of
+from lightning_slide.master_halves import MasterHalves, parity_bytes
 from lightning_slide.moment_codec import (
     BLOCK,
     NOISE_PERIOD,
@@ -51,7 +58,8 @@ FP32_SETS = 2  # buffer sets, each on its own stream, for fp32 blocks (four slow
 COMPACT_SETS = 4  # ... and for compact moments, where the link binds: four chunks in flight (two left it idle)
 COMPACT_PRIORITY = -1  # their streams' kernels run ahead of the backward's queued on the compute stream
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
-FP32_LINK_BYTES = 24  # an fp32 update on the GPU: master and both moments, up and back
+FP32_MOMENT_BYTES = 8  # each way, per element of an fp32 update on the GPU: both moments
+MASTER_BYTES = {False: 4.0, True: 2.125}  # ... and its master: fp32, or as planes (low half and parity)
 CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
 PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU cache
 PROBE_COPIES = 4  # copies each way, to outlast the probe's CPU AdamW
@@ -76,10 +84,14 @@ class SlotWrite:
                 self._state = "writing"
             return self._state == "writing"
 
-    def drop(self) -> bool:
-        """The window: take the slot back, unless the updater writes into it already (then wait for the update)."""
+    def drop(self, before: Callable[[], None] | None = None) -> bool:
+        """The window: take the slot back, unless the updater writes into it already (then wait for the update).
+        `before` runs first where it does take it back (the slot's weights written back to the host for the update
+        to read), so that the updater, finding the slot taken back, finds that done."""
         with self._lock:
             if self._state == "pending":
+                if before is not None:
+                    before()
                 self._state = "dropped"
             return self._state == "dropped"
 
@@ -89,13 +101,21 @@ def gpu_updates_on(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+def fp32_link_bytes(halves: bool) -> float:
+    """PCIe bytes per element of an fp32 update on the GPU, up and back: both moments and the master (`halves`: as
+    planes, `master_halves`)."""
+    return 2 * (FP32_MOMENT_BYTES + MASTER_BYTES[halves])
+
+
 def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], dedicated: Sequence[bool],
-                      on_disk: Collection[int], trainable: Sequence[int], device: torch.device) -> list[int]:
+                      on_disk: Collection[int], trainable: Sequence[int], device: torch.device,
+                      halves: bool = False) -> list[int]:
     """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
     moments are in RAM; with fp32 ones `gpu_update_blocks` of the decoder blocks in RAM, spread evenly over them
-    ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates`, none where they cannot be
-    measured). Spread, because the backward holds only a few gradients at a time: were the GPU's blocks the last
-    the backward reaches, it would reach them only after the CPU had taken the others' gradients, one by one."""
+    ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates` for updates that move the
+    master whole or, with `halves`, as planes; none where the rates cannot be measured). Spread, because the
+    backward holds only a few gradients at a time: were the GPU's blocks the last the backward reaches, it would
+    reach them only after the CPU had taken the others' gradients, one by one."""
     in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
     if precision != "fp32":
         return in_ram
@@ -106,20 +126,21 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
         if rates is None:
             return []
         kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
-        gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates)
-        if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates):
+        link = fp32_link_bytes(halves)
+        gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates, link)
+        if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates, link):
             lead = [0]  # besides the balanced blocks: the CPU keeps its share of those
     k = min(gpu_update_blocks, len(blocks))
     return lead + [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
 
 
-def embedding_first(rates: UpdateRates) -> bool:
+def embedding_first(rates: UpdateRates, link_bytes: float = fp32_link_bytes(False)) -> bool:
     """Whether the embedding's update, the next forward's first need and complete only when the backward ends,
     is ready sooner on the GPU, where the link is otherwise idle by then: its master and moments go up
-    (`FP32_LINK_BYTES` / 2 per element; the update and the copies back follow chunk by chunk). On the CPU its
-    gradient comes down as the update runs, then its new weights go up (`CPU_UNIT_LINK_BYTES` each way)."""
+    (`link_bytes` / 2 per element, `fp32_link_bytes`; the update and the copies back follow chunk by chunk). On the
+    CPU its gradient comes down as the update runs, then its new weights go up (`CPU_UNIT_LINK_BYTES` each way)."""
     direction = rates.link_bytes_s / 2
-    gpu = FP32_LINK_BYTES / 2 / direction
+    gpu = link_bytes / 2 / direction
     cpu = max(1 / rates.cpu_elems_s, CPU_UNIT_LINK_BYTES / direction) + CPU_UNIT_LINK_BYTES / direction
     return gpu < cpu
 
@@ -133,17 +154,18 @@ class UpdateRates:
     link_bytes_s: float
 
 
-def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates) -> int:
+def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates,
+                    link_bytes: float = fp32_link_bytes(False)) -> int:
     """How many of the decoder `blocks` (their trainable sizes) to update on the GPU so that a step's updates end
-    soonest, the CPU's and the link's running at once. Each direction of the link carries `FP32_LINK_BYTES` / 2 per
-    element the GPU updates (master and moments) and `CPU_UNIT_LINK_BYTES` per element the CPU updates (its fp32
-    gradient down, its new weights up on the next load); the CPU updates `kept` elements besides the blocks it
-    keeps. The GPU's kernels are not counted: a few memory-bound passes, far below either."""
+    soonest, the CPU's and the link's running at once. Each direction of the link carries `link_bytes` / 2 per
+    element the GPU updates (master and moments, `fp32_link_bytes`) and `CPU_UNIT_LINK_BYTES` per element the CPU
+    updates (its fp32 gradient down, its new weights up on the next load); the CPU updates `kept` elements besides
+    the blocks it keeps. The GPU's kernels are not counted: a few memory-bound passes, far below either."""
     direction = rates.link_bytes_s / 2
 
     def finish(k: int) -> float:
         gpu, cpu = sum(blocks[:k]), kept + sum(blocks[k:])
-        link = (gpu * FP32_LINK_BYTES / 2 + cpu * CPU_UNIT_LINK_BYTES) / direction
+        link = (gpu * link_bytes / 2 + cpu * CPU_UNIT_LINK_BYTES) / direction
         return max(cpu / rates.cpu_elems_s, link)
     return min(range(len(blocks) + 1), key=finish)
 
@@ -210,16 +232,20 @@ def chunk_elems(largest_trainable: int, piece: int) -> int:
 
 
 class _Buffers:
-    """One chunk's device room: the master, both moments' stored values and scales, both decoded to fp32 (and
-    their int32 views), the gradient as it arrives and widened to fp32; where the codec's torch ops code the
-    moments (not `code_kernels`), their work rows, and the rounding noise and what gathers it (each element's piece
-    start and offset in it, and the table index)."""
+    """One chunk's device room: the master, its planes (`master_halves`: weights, low halves, parities), both
+    moments' stored values and scales, both decoded to fp32 (and their int32 views), the gradient as it arrives and
+    widened to fp32; where the codec's torch ops code the moments (not `code_kernels`), their work rows, and the
+    rounding noise and what gathers it (each element's piece start and offset in it, and the table index)."""
 
     def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int,
-                 code_kernels: bool) -> None:
+                 code_kernels: bool, halves: bool) -> None:
         int8_ops = codecs[0].precision == "int8" and not code_kernels  # the codec's torch ops
         rounding_ops = codecs[0].precision != "fp32" and not code_kernels  # ... and the noise they round with
         self.master = torch.empty(n, device=device)
+        planes = n if halves else 0
+        self.weights = torch.empty(planes, dtype=torch.bfloat16, device=device)
+        self.low = torch.empty(planes, dtype=torch.int16, device=device)
+        self.parity = torch.empty(parity_bytes(planes), dtype=torch.uint8, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
         self.scales = [torch.empty(-(-n // BLOCK), device=device) if codecs[0].precision == "int8" else None
                        for _ in codecs]
@@ -236,29 +262,34 @@ class _Buffers:
         self.index = torch.empty_like(e)
 
     @staticmethod
-    def bytes_for(n: int, precision: str, code_kernels: bool) -> int:
+    def bytes_for(n: int, precision: str, code_kernels: bool, halves: bool) -> int:
         stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
         work = 2 * 4 * n if precision == "int8" and not code_kernels else 0
         noise = (2 + 3) * 4 * n if precision != "fp32" and not code_kernels else 0
-        return 4 * n + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
+        planes = 2 * n + 2 * n + parity_bytes(n) if halves else 0
+        return 4 * n + planes + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
 class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
-                 piece: int, code_kernels: bool | None = None) -> None:
-        """`code_kernels`: compact moments decoded and encoded by `ops.moment_codes` (None: wherever those run) or
-        by the codec's torch ops (a pass over the chunk per op)."""
+                 piece: int, code_kernels: bool | None = None, halves: bool = False) -> None:
+        """`code_kernels`: compact moments decoded and encoded by `ops.moment_codes`, and masters split and joined
+        by `ops.master_halves` (None: wherever those run), or by torch ops (a pass over the chunk per op).
+        `halves`: the units' masters train as planes (`master_halves`), with room for them in each buffer set."""
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece)
         compact = codecs[0].precision != "fp32"
         self.code_kernels = compact and (code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
+        # the master's planes split and joined by one Triton pass each where the kernels run, else by torch ops
+        self.planes = (import_module("lightning_slide.ops.master_halves")
+                       if (code_kernels_on(device) if code_kernels is None else code_kernels) else master_halves)
         self.lanes = [Lane(device, side=True, priority=COMPACT_PRIORITY if compact else 0)
                       for _ in range(buffer_sets(codecs[0].precision))]
-        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels) for _ in self.lanes]
+        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels, halves) for _ in self.lanes]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
@@ -267,11 +298,12 @@ class DeviceUpdater:
             torch.cuda.synchronize(device)
 
     @staticmethod
-    def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool) -> int:
+    def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool,
+                  halves: bool = False) -> int:
         """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
         says)."""
         table = table_bytes(precision)  # the host table, copied up whole
-        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels)
+        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels, halves)
         return buffer_sets(precision) * one + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
@@ -296,13 +328,16 @@ class DeviceUpdater:
     def run(self, storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, ready: object,
             master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None = None) -> object:
         """Queue AdamW over [start, start + len(grad)) of `storage`'s trainable range: `master` and `moments` are
-        that range's host copies, `grad` is on the device (after `ready`) or on the host; the new weights also go
-        into `slot` unless the window took it back. Returns the event after which the host copies (and the slot)
-        hold the result and `grad` may be reused."""
+        that range's host copies (the master's planes instead, where the unit holds them), `grad` is on the device
+        (after `ready`) or on the host; the new weights also go into `slot` unless the window took it back.
+        Returns the event after which the host copies (and the slot) hold the result and `grad` may be reused."""
         n = grad.numel()
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
         groups = groups_of(storage, plan)
         weights = slot.params[start : start + n] if slot is not None and slot.take() else None
+        halves = storage.halves if storage.halves is not None and storage.halves.planes else None
+        if halves is not None:
+            self._check_planes(halves, start, storage.name, weights is not None)
         for i, a in enumerate(range(0, n, self.chunk)):
             b = min(a + self.chunk, n)
             lane, room = self.lanes[i % len(self.lanes)], self.sets[i % len(self.sets)]
@@ -310,27 +345,42 @@ class DeviceUpdater:
                 lane.wait(ready)
                 if weights is not None:
                     lane.wait(slot.free)
+                elif halves is not None:
+                    lane.wait(halves.written_back)
                 self._chunk(room, storage, plan, groups, start + a, grad[a:b], master[a:b],
-                            tuple(m[a:b] for m in moments), scale, None if weights is None else weights[a:b])
+                            tuple(m[a:b] for m in moments), scale, None if weights is None else weights[a:b], halves)
         for lane in self.lanes[1:]:
             self.lanes[0].wait(lane.record())
         return self.lanes[0].record()
 
+    @staticmethod
+    def _check_planes(halves: MasterHalves, start: int, name: str, into_slot: bool) -> None:
+        """An update of a unit whose master is planes: on whole parity bytes (two chunks never share one), from a
+        weights plane that holds the unit's weights unless the slot does; its new weights stay in the slot."""
+        if start % 8:
+            raise RuntimeError(f"The update of {name} starts at element {start}, inside a byte of its master's parity "
+                               "plane: the master halves need gradient chunks of a multiple of 8 elements.")
+        if not into_slot and halves.stale:
+            raise RuntimeError(f"The update of {name} has no GPU slot to write, but its newest weights are still "
+                               "in one: the window gave the slot up without writing them back.")
+        halves.stale = into_slot
+
     def _chunk(self, room: _Buffers, storage: UnitStorage, plan: StepPlan,
                groups: tuple[list[list[float]], list[list[bool]], list[int]], start: int, grad: torch.Tensor,
                master: torch.Tensor, moments: tuple[Packed, ...], scale: float | None,
-               weights: torch.Tensor | None) -> None:
+               weights: torch.Tensor | None, halves: MasterHalves | None) -> None:
         """One chunk on the current stream (a lane's: everything it allocates is ordered there): copies up, the
         update, copies back (and the new weights into their slot)."""
         n = grad.numel()
         step = torch.full((), float(plan.step), device=self.device)
         grad_scale = None if scale is None else torch.full((), scale, device=self.device)
-        gm = room.master[:n].copy_(master, non_blocking=True)
+        gm = self._master_up(room, master, halves, start, weights)
         values = [v[:n].copy_(m.values, non_blocking=True) for v, m in zip(room.values, moments)]
         scales = [None if s is None else s[: m.scales.numel()].copy_(m.scales, non_blocking=True)
                   for s, m in zip(room.scales, moments)]
-        state = gm.numel() * 4 + sum(m.values.numel() * m.values.element_size() + (
+        state = sum(m.values.numel() * m.values.element_size() + (
             0 if m.scales is None else m.scales.numel() * 4) for m in moments)
+        state += 4 * n if halves is None else 2 * n + parity_bytes(n) + (0 if weights is not None else 2 * n)
         self.bytes_up, self.bytes_down = self.bytes_up + state, self.bytes_down + state
         if grad.device != self.device:
             self.bytes_up += n * grad.element_size()
@@ -349,15 +399,45 @@ class DeviceUpdater:
                               bounds, hyper, flags, None, step, grad_scale, None)
         if self.code_kernels:
             self._encode(moments_in, values, scales, plan.step, storage.index, start)
-        master.copy_(gm, non_blocking=True)
-        if weights is not None:
-            weights.copy_(gm)  # the cast a load of the fp32 master makes
+        self._master_back(room, gm, master, halves, start, weights)
         for m, v, s in zip(moments, values, scales):
             m.values.copy_(v, non_blocking=True)
             if s is not None:
                 m.scales.copy_(s, non_blocking=True)
         if storage.shadow is not None:
             storage.shadow[start : start + n].copy_(gm, non_blocking=True)
+
+    def _master_up(self, room: _Buffers, master: torch.Tensor, halves: MasterHalves | None, start: int,
+                   weights: torch.Tensor | None) -> torch.Tensor:
+        """A chunk's fp32 master on the device: copied up whole, or joined from its planes (the low halves and
+        parities up, the weights from the slot or up from their plane)."""
+        n = master.numel()
+        if halves is None:
+            return room.master[:n].copy_(master, non_blocking=True)
+        span, bytes_ = slice(start, start + n), slice(start // 8, start // 8 + parity_bytes(n))
+        low = room.low[:n].copy_(halves.low[span], non_blocking=True)
+        parity = room.parity[: parity_bytes(n)].copy_(halves.parity[bytes_], non_blocking=True)
+        if weights is None:
+            weights = room.weights[:n].copy_(halves.weights[span], non_blocking=True)
+        return self.planes.join(weights, low, parity, room.master[:n])
+
+    def _master_back(self, room: _Buffers, gm: torch.Tensor, master: torch.Tensor, halves: MasterHalves | None,
+                     start: int, weights: torch.Tensor | None) -> None:
+        """The updated master to the host, whole or as planes, and its weights into the slot (as a load casts them:
+        rounded to nearest-even); without a slot, a unit's weights plane takes them."""
+        n = gm.numel()
+        if halves is None:
+            master.copy_(gm, non_blocking=True)
+            if weights is not None:
+                weights.copy_(gm)
+            return
+        span, bytes_ = slice(start, start + n), slice(start // 8, start // 8 + parity_bytes(n))
+        low, parity = room.low[:n], room.parity[: parity_bytes(n)]
+        self.planes.split(gm, room.weights[:n] if weights is None else weights, low, parity)
+        halves.low[span].copy_(low, non_blocking=True)
+        halves.parity[bytes_].copy_(parity, non_blocking=True)
+        if weights is None:
+            halves.weights[span].copy_(room.weights[:n], non_blocking=True)
 
     def _decode(self, room: _Buffers, values: list[torch.Tensor], scales: list[torch.Tensor | None],
                 n: int) -> list[torch.Tensor]:

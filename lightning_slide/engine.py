@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_slide import master_halves
 from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.available import available_vram
@@ -137,18 +138,23 @@ class SlideEngine:
 
     def _device_updater(self) -> DeviceUpdater | None:
         """The GPU takes a training run's compact updates, and those of `gpu_update_blocks` fp32 blocks, where
-        there is one (`device_update`)."""
+        there is one (`device_update`); computing in bf16, their masters turn into planes while they train
+        (`master_halves`, from the first forward on: `enter`)."""
         on, config = gpu_updates_on(self.device), self.config
         if self.optimizer is None or on is None:
             return None
+        trainable = [s.trainable_numel for s in self.storages]
+        halves = master_halves.applies(self.dtype, self._chunk_elems(), max(trainable))
         units = gpu_updated_units(config.moment_precision, config.gpu_update_blocks, self._dedicated,
-                                  self.moments.on_disk, [s.trainable_numel for s in self.storages], on)
+                                  self.moments.on_disk, trainable, on, halves)
         if not units:
             return None
         largest = max(self.storages[u].trainable_numel for u in units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
-                                LayerAdam.widen_elems(largest, config.moment_precision))
+                                LayerAdam.widen_elems(largest, config.moment_precision), halves=halves)
         updater.serve(self.storages, units)
+        for u in units if halves else ():
+            self.storages[u].add_halves()
         return updater
 
     def _chunk_elems(self) -> int:
@@ -286,6 +292,8 @@ class SlideEngine:
     # What a part's call needs of the engine (`parts.PartHost`).
     def enter(self, part: Part, direction: int) -> dict[int, Slot]:
         """The slots of every unit the part reads, loaded (or loading) and ordered before the part's compute."""
+        if self._fp32_masters:
+            self._masters_to_planes()
         protect = set(part.owners)
         slots = {u: self.window.ensure(u, part.unit, direction, protect) for u in part.owners}
         for slot in slots.values():
@@ -481,11 +489,42 @@ class SlideEngine:
         return waited + self.adam.drain()
 
     def synchronize(self) -> None:
-        """Wait for every queued copy and update (before reading weights or optimizer state)."""
+        """Wait for every queued copy and update (before reading weights or optimizer state): the fp32 masters
+        are then whole and current."""
         self.wait_drain_s += self._drain()
         self.grads.book.lent.clear()  # every update has read its gradient
         for step in self._step_tensors:
             step.fill_(float(self._step))
+        self._planes_to_masters()
+
+    @property
+    def _halves(self) -> list[master_halves.MasterHalves]:
+        return [s.halves for s in self.storages if s.halves is not None]
+
+    @property
+    def _fp32_masters(self) -> bool:
+        """Some unit's master is fp32 that trains as planes (`master_halves`): at the first forward after a
+        `synchronize`, or the run's first."""
+        return any(not h.planes for h in self._halves)
+
+    def _masters_to_planes(self) -> None:
+        """Turn the masters of the units the GPU updates into planes, once copies still reading them are done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        scratch = torch.empty(max(h.master.numel() for h in self._halves))
+        for h in self._halves:
+            if not h.planes:
+                h.to_planes(scratch)
+
+    def _planes_to_masters(self) -> None:
+        """The masters whole again: the slots' newest weights written back to their planes first."""
+        if not any(h.planes for h in self._halves):
+            return
+        self.window.write_back()
+        scratch = torch.empty(max(h.master.numel() for h in self._halves))
+        for h in self._halves:
+            if h.planes:
+                h.to_master(scratch)
 
     # -------------------------------------------------------------------------------------- state
     def master_changed(self) -> None:
@@ -524,7 +563,7 @@ class SlideEngine:
         h2d = {"loads": self.window.bytes, "saved_inputs": self.activations.bytes_in,
                "updates": updater.bytes_up if updater else 0}
         d2h = {"gradients": self.pump.bytes if self.pump else 0, "saved_inputs": self.activations.bytes_out,
-               "updates": updater.bytes_down if updater else 0}
+               "updates": updater.bytes_down if updater else 0, "weights_back": self.window.written_back_bytes}
         return {
             "steps": self._step,
             "h2d_bytes": sum(h2d.values()),
@@ -554,6 +593,8 @@ class SlideEngine:
             self.pump.worker.stop()
         self.adam.stop()
         self._quiesce_after_failure()
+        with suppress(RuntimeError):  # after a failure: the parameters are fp32 views again all the same
+            self._planes_to_masters()
         self.adam.close()
         self.moments.close()
         self.activations.close()

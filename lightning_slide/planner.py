@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_slide import master_halves
 from lightning_slide.activations import DISK_BUFFERS, ActivationStore
 from lightning_slide.adapters import causal_lm_units, find_causal_lm
 from lightning_slide.available import (
@@ -309,12 +310,18 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         largest = max(u.trainable for u in shape.units)
         what = f"{precision} moments' fp32 update scratch" + (" + rounding table" if precision == "bf16" else "")
         entries.append(Entry(what, "ram", LayerAdam.scratch_bytes(largest, precision) + table_bytes(precision)))
+    if served and _halves(shape, setup):
+        entries += [Entry("parity planes of the masters the GPU updates (master_halves)", setup.pinned,
+                          sum(UnitStorage.bytes_for("parity", shape.units[u].numel) for u in served)),
+                    Entry("scratch turning those masters into planes and back (at the first step, at state reads)",
+                          "ram", UnitStorage.bytes_for("master", max(shape.units[u].numel for u in served)))]
     if served:
         largest = max(shape.units[u].trainable for u in served)
         piece = LayerAdam.widen_elems(largest, precision)
         entries.append(Entry(f"{precision} moments' update buffers ({buffer_sets(precision)} chunks)", "gpu",
                              DeviceUpdater.bytes_for(largest, piece, precision,
-                                                     code_kernels_on(torch.device(setup.device))),
+                                                     code_kernels_on(torch.device(setup.device)),
+                                                     _halves(shape, setup)),
                              "gpu_update_blocks=0" if precision == "fp32" else ""))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
@@ -354,7 +361,13 @@ def _gpu_updated(shape: ModelShape, setup: Setup, on_disk: list[int]) -> list[in
     if not setup.training or on is None:
         return []
     return gpu_updated_units(setup.config.moment_precision, setup.config.gpu_update_blocks,
-                             [u.dedicated for u in shape.units], on_disk, [u.trainable for u in shape.units], on)
+                             [u.dedicated for u in shape.units], on_disk, [u.trainable for u in shape.units], on,
+                             _halves(shape, setup))
+
+
+def _halves(shape: ModelShape, setup: Setup) -> bool:
+    """Whether the masters the GPU updates train as planes (`master_halves.applies`)."""
+    return master_halves.applies(setup.dtype, _gradient_chunk(shape, setup), max(u.trainable for u in shape.units))
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_slide.master_halves import MasterHalves, parity_bytes
 from lightning_slide.moment_codec import MomentCodec, Packed
 from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.tiers import DiskFile
@@ -63,6 +64,7 @@ class UnitStorage:
         self.exp_avg = self.exp_avg_sq = Packed(torch.empty(0))
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.shadow: torch.Tensor | None = None
+        self.halves: MasterHalves | None = None  # the master as planes while it trains (`add_halves`)
         self.grad_acc: torch.Tensor | None = None
         self.acc_pinned = False
 
@@ -73,10 +75,12 @@ class UnitStorage:
     @classmethod
     def bytes_for(cls, buffer: str, elements: int, dtype: torch.dtype | None = None) -> int:
         """Host bytes of `buffer` over `elements`: "master" (fp32, all owned parameters), "amsgrad"
-        (max_exp_avg_sq), "sums" (fp32 gradient sums of an accumulation window), or "shadow" (the compute-dtype
-        copy loads read, `dtype`)."""
+        (max_exp_avg_sq), "sums" (fp32 gradient sums of an accumulation window), "shadow" (the compute-dtype
+        copy loads read, `dtype`), or "parity" (the master halves' parity plane, `master_halves`)."""
         if buffer == "shadow":
             return elements * torch.empty(0, dtype=dtype).element_size()
+        if buffer == "parity":
+            return parity_bytes(elements)
         return elements * cls.ELEMENT_BYTES[buffer]
 
     def _adopt(self, params: list[nn.Parameter], master: torch.Tensor) -> torch.Tensor:
@@ -107,6 +111,11 @@ class UnitStorage:
         self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         self.shadow.copy_(self.master)
 
+    def add_halves(self) -> None:
+        """Let the master turn into planes while it trains (`master_halves`): a unit in pinned RAM that the GPU
+        updates, computing in bf16."""
+        self.halves = MasterHalves(self.master)
+
     def add_grad_accumulator(self, dtype: torch.dtype = torch.float32) -> None:
         """The gradients a step holds until its updates run: fp32 sums for accumulation windows (+4 B/param of
         RAM), or a deferred step's single gradient in the dtype it was computed in (+2 B/param under bf16).
@@ -128,3 +137,5 @@ class UnitStorage:
         if self.acc_pinned:
             unpin_(self.grad_acc)
             self.acc_pinned = False
+        if self.halves is not None:
+            self.halves.release()

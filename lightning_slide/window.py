@@ -5,8 +5,10 @@ A slot holds one unit's weights in the compute dtype. The vocabulary-sized units
 dedicated slot each, so ring slots are sized to a decoder block. Gradients need a buffer only from a unit's
 backward until its gradient has left for the host, so a small ring of gradient buffers serves every block
 (and the ring of weight slots can grow to hold every block without doubling for gradients). A load is one
-pinned-host-to-device copy (plus an on-device cast from the fp32 master) on the h2d lane, ordered by events
-against the compute that last read the slot. Nothing is allocated after warm-up: with slots="auto" the ring
+pinned-host-to-device copy (plus an on-device cast from the fp32 master, or none from a master's weights plane:
+`master_halves`) on the h2d lane, ordered by events against the compute that last read the slot. Where an update on
+the GPU left a unit's newest weights in its slot only, the slot is written back to the weights plane before it
+takes another unit. Nothing is allocated after warm-up: with slots="auto" the ring
 grows after the first step has shown the batch's peak memory (and is sized again only when a larger
 micro-batch comes).
 """
@@ -87,6 +89,7 @@ class Window:
         largest = max(s.numel for s in storages)
         self.staging = torch.empty(self.staging_elems(staging_elems, largest), device=device) if needs_cast else None
         self.load_bytes = [0] * len(storages)  # bytes each unit's loads copied to the device
+        self.written_back_bytes = 0  # weights copied back from slots to their masters' weights planes
         self.waits = [0.0] * len(storages)  # seconds loads of each unit waited for its update
 
     @staticmethod
@@ -126,9 +129,13 @@ class Window:
         copying into them; the units they held load again when next needed.
         """
         for slot in self.ring[count:]:
-            for event in (slot.loaded, self._settle(slot, None)):
+            events = [slot.loaded, self._settle(slot, None)]
+            if slot.unit is not None:
+                events.append(self._write_back(slot, slot.unit))
+            for event in events:
                 if event is not None:
                     torch.cuda.current_stream(self.device).wait_event(event)
+            slot.unit = None
         del self.ring[count:]
 
     def holding(self, unit: int) -> Slot | None:
@@ -149,9 +156,10 @@ class Window:
         that update runs on the GPU: the slot holds that update's version from now on, and its next use waits for
         the writes. None where the update runs on the CPU or no slot holds the unit."""
         slot = self.holding(unit)
-        if (not self.adam.updates_on_device(unit) or slot is None or slot.unit != unit
-                or slot.pending_write is not None):  # an earlier update's writes not yet settled
+        if not self.adam.updates_on_device(unit) or slot is None or slot.unit != unit:
             return None
+        if slot.pending_write is not None:  # an earlier update's writes, not yet settled (the update has ended)
+            self._settle(slot, unit)
         write = SlotWrite(slot.params[: self.storages[unit].trainable_numel], slot.params_free)
         slot.version, slot.pending_write = self.adam.scheduled[unit], (unit, write)
         return write
@@ -163,7 +171,7 @@ class Window:
         if slot.pending_write is None:
             return None
         (owner, write), slot.pending_write = slot.pending_write, None
-        if owner != unit and write.drop():
+        if owner != unit and write.drop(lambda: self._write_back(slot, owner)):
             slot.version = -1  # the claiming unit's new weights will not be here
             return None
         self.waits[owner] += self.adam.wait_applied(owner)
@@ -184,22 +192,49 @@ class Window:
     def _load(self, slot: Slot, unit: int, written: object = None) -> None:
         """Load `unit` into `slot` after its last reader and after `written` (an update's writes into it)."""
         self.waits[unit] += self.adam.wait_applied(unit)
+        if slot.unit is not None and slot.unit != unit:
+            self._write_back(slot, slot.unit)
         storage = self.storages[unit]
         dst = slot.params[: storage.numel]
+        planes = storage.halves is not None and storage.halves.planes
+        source = storage.halves.weights if planes else storage.master if storage.shadow is None else storage.shadow
         with self.h2d():
             self.h2d.wait(slot.params_free)
             self.h2d.wait(written)
             self.h2d.wait(self.adam.landed[unit])  # an update queued on the GPU writes the master read here
-            if storage.shadow is not None:
-                dst.copy_(storage.shadow, non_blocking=True)
-            elif self.staging is None:
-                dst.copy_(storage.master, non_blocking=True)
+            if source.dtype == dst.dtype or self.staging is None:
+                dst.copy_(source, non_blocking=True)
             else:
-                self._cast_in(dst, storage.master)
+                self._cast_in(dst, source)
             slot.loaded = self.h2d.record()
         slot.unit, slot.version = unit, self.adam.scheduled[unit]
-        source = storage.master if storage.shadow is None else storage.shadow
         self.load_bytes[unit] += dst.numel() * source.element_size()
+
+    def _write_back(self, slot: Slot, unit: int) -> object:
+        """Where the slot holds `unit`'s newest weights and its master's weights plane does not (`MasterHalves.stale`),
+        copy them there (on the h2d lane: the next load into the slot follows them) and return the event after."""
+        halves = self.storages[unit].halves
+        if halves is None or not halves.stale:
+            return None
+        n = self.storages[unit].trainable_numel
+        with self.h2d():
+            self.h2d.wait(slot.loaded)
+            halves.weights[:n].copy_(slot.params[:n], non_blocking=True)
+            halves.written_back = self.h2d.record()
+        halves.stale = False
+        self.written_back_bytes += n * slot.params.element_size()
+        return halves.written_back
+
+    def write_back(self) -> None:
+        """Every slot's weights that its unit's weights plane lacks, to the host (then wait for them): before the
+        masters turn back into fp32."""
+        for slot in [*self.ring, *self.dedicated.values()]:
+            if slot.unit is not None:
+                if slot.pending_write is not None:
+                    self._settle(slot, slot.unit)
+                self._write_back(slot, slot.unit)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _cast_in(self, dst: torch.Tensor, master: torch.Tensor) -> None:
         """fp32 pinned master -> device staging -> compute dtype, chunk by chunk (no CPU-side conversion)."""

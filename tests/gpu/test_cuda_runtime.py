@@ -72,6 +72,27 @@ def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip, monkeypatch):
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+@pytest.mark.parametrize("precision, blocks", [("int8", 0), ("fp32", 2)], ids=["int8", "fp32-2-blocks"])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
+def test_masters_as_planes_on_cuda_train_as_whole_masters(precision, blocks, clip, monkeypatch):
+    """bf16-mixed, two block slots (the window gives up slots that updates wrote the newest weights into), the
+    compiled split and join: the parameters of the same run with the masters moved whole."""
+    from lightning_slide import SlideStrategy, master_halves
+
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    converted, to_planes = [], master_halves.MasterHalves.to_planes
+    monkeypatch.setattr(master_halves.MasterHalves, "to_planes",
+                        lambda self, scratch: converted.append(self) or to_planes(self, scratch))
+    runs = []
+    for planes in (True, False):
+        if not planes:
+            assert converted  # the first run's masters were planes
+            monkeypatch.setattr(master_halves, "applies", lambda *args: False)
+        strategy = SlideStrategy(use_kernels=False, moment_precision=precision, gpu_update_blocks=blocks, slots=2)
+        runs.append(fit(model, batches, strategy, STEPS, clip=clip, precision="bf16-mixed", accelerator="gpu"))
+    assert relative_difference(runs[1].model, runs[0].model) <= 1e-6
+
+
 def test_the_update_rates_are_measured_once_per_device():
     from lightning_slide.device_update import measured_rates
 

@@ -217,6 +217,25 @@ def test_bf16_rounding_compiled_gives_the_codecs_bits_over_a_device_updater_chun
     assert torch.equal(values.view(torch.int16), expected.view(torch.int16))
 
 
+def test_master_planes_compiled_give_the_torch_ops_bits_over_a_device_updater_chunk():
+    """8M elements and a partial parity byte, compiled: the weights as torch's CUDA cast rounds them, every non-NaN
+    master joined back exactly."""
+    from lightning_slide import master_halves
+    from lightning_slide.ops.master_halves import join, split
+    from tests.ops.test_master_halves import _masters, _planes
+
+    n = (1 << 23) + 13
+    master = _masters(n, "cuda")
+    planes, expected = _planes(n, "cuda"), _planes(n, "cuda")
+    split(master, *planes)
+    master_halves.split(master, *expected)
+    finite = ~torch.isnan(master)
+    assert torch.equal(planes[0].view(torch.int16)[finite], master.to(torch.bfloat16).view(torch.int16)[finite])
+    assert torch.equal(planes[1], expected[1]) and torch.equal(planes[2], expected[2])
+    joined = join(*planes, torch.empty_like(master))
+    assert torch.equal(joined.view(torch.int32)[finite], master.view(torch.int32)[finite])
+
+
 def _attention_problem(tokens: int, heads: int = 24, kv_heads: int = 8, head_dim: int = 128):
     q = torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -82,7 +82,7 @@ def test_the_engine_counts_the_bytes_of_loads_per_unit_and_of_each_kind_of_copy(
     stats = engine.stats()
     assert stats["h2d_bytes"] == stats["h2d_loads_bytes"] + stats["h2d_saved_inputs_bytes"] + stats["h2d_updates_bytes"]
     assert stats["d2h_bytes"] == (stats["d2h_gradients_bytes"] + stats["d2h_saved_inputs_bytes"]
-                                  + stats["d2h_updates_bytes"])
+                                  + stats["d2h_updates_bytes"] + stats["d2h_weights_back_bytes"])
     assert stats["h2d_updates_bytes"] > 0 and stats["d2h_updates_bytes"] > 0
     by_unit = stats["load_by_unit_bytes"]
     assert sum(by_unit.values()) == stats["h2d_loads_bytes"] == engine.window.bytes
@@ -232,7 +232,7 @@ def test_the_plan_pins_the_moments_of_fp32_blocks_updated_on_the_gpu_and_counts_
     assert locked.where == "pinned" and locked.bytes == 4 * 8 * block
     assert entries["Adam exp_avg + exp_avg_sq (fp32)"].bytes == 8 * shape.trainable - locked.bytes
     buffers = entries["fp32 moments' update buffers (2 chunks)"]
-    assert buffers.bytes == device_update.DeviceUpdater.bytes_for(block, 1 << 22, "fp32", False)
+    assert buffers.bytes == device_update.DeviceUpdater.bytes_for(block, 1 << 22, "fp32", False, halves=True)
     assert buffers.remedy == "gpu_update_blocks=0"  # named if refused
 
 
@@ -250,9 +250,11 @@ def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_
         buffers = entries.get("int8 moments' update buffers (4 chunks)")
         if device == "cuda":
             assert buffers.where == "gpu" and buffers.bytes == device_update.DeviceUpdater.bytes_for(
-                128256 * 4096, 1 << 16, "int8", device_update.code_kernels_on(torch.device("cuda")))
-            # with the kernels (triton on the GPU) the sets take 22 bytes an element; the torch ops' rows and noise more
-            sets = device_update.DeviceUpdater.bytes_for(128256 * 4096, 1 << 16, "int8", True)
-            assert sets < 4 * 23 * device_update.CHUNK_ELEMS
+                128256 * 4096, 1 << 16, "int8", device_update.code_kernels_on(torch.device("cuda")), halves=True)
+            # with the kernels (triton on the GPU) the sets take 22 bytes an element, and 4 1/8 more with room for
+            # the masters' planes; the torch ops' rows and noise more
+            for halves, most in ((False, 23), (True, 27)):
+                sets = device_update.DeviceUpdater.bytes_for(128256 * 4096, 1 << 16, "int8", True, halves)
+                assert sets < 4 * most * device_update.CHUNK_ELEMS
         else:
             assert buffers is None

@@ -1,0 +1,117 @@
+"""The fp32 master of a unit that the GPU updates, held on the host as planes: the compute weights and the low halves.
+
+Why: an update on the GPU moves the unit's master up and back over PCIe every step, 4 bytes an element each way,
+two thirds of what crosses the link with 8-bit moments. The unit's GPU slot already holds the master rounded to
+nearest-even in bf16: that is the master's high half, or the high half plus one where the low half rounded it up.
+Which of the two is the high half's parity, so with the low half (2 bytes) and that bit the device has the whole
+master back, exactly. A resident unit's update then moves 2 1/8 bytes of master each way instead of 4, and its new
+weights stay in the slot (the host's weights plane is written back when the slot is given up or the state is
+read); a unit without a slot moves its weights plane as well, and a load of it copies 2 bytes (no cast) instead of 4.
+
+Layout, in the unit's own master buffer (4 bytes an element, so nothing more of RAM): the weights plane (bf16) in
+its first half, the low halves (int16) in its second; the parities packed 8 to a byte (element e at bit e % 8 of
+byte e // 8) in a buffer of their own, 1/8 byte an element. The module's parameters are views of the fp32 master,
+so the planes live only while training runs: `MasterHalves.to_planes` at a step's start, `to_master` when the
+state is read (the engine's `synchronize`), each in place through a scratch copy of the unit.
+
+`split` and `join` are the definition, in torch ops on any device; `ops.master_halves` is the same in one Triton
+pass each, bit for bit. A NaN master joins as a NaN (its payload may change); every other value comes back exact.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from lightning_slide.pinned import host_zeros, pin_, unpin_
+
+PIECE = 1 << 22  # elements converted at a time on the host (a multiple of 8: whole parity bytes)
+_GATHER = 0x0102040810204080  # x * this >> 56: the low bits of x's 8 bytes, byte i at bit i
+_SPREAD = 0x0101010101010101  # a byte copied into each of 8
+_PICK = 0x8040201008040201 - (1 << 64)  # ... and bit i kept in byte i (as a signed int64)
+
+assert sys.byteorder == "little", "the planes are read off the fp32 master's bytes in little-endian order"
+
+
+def applies(dtype: torch.dtype, gradient_chunk: int, largest_trainable: int) -> bool:
+    """Whether the units the GPU updates keep their masters as planes: where weights are computed in bf16 (a slot
+    then holds the master's high half, or one more), and every update starts on a whole parity byte (gradient
+    chunks of a multiple of 8 elements, or one chunk a unit)."""
+    return dtype == torch.bfloat16 and (gradient_chunk % 8 == 0 or gradient_chunk >= largest_trainable)
+
+
+def parity_bytes(n: int) -> int:
+    """Bytes of the parity plane over `n` elements."""
+    return -(-n // 8)
+
+
+def split(master: torch.Tensor, weights: torch.Tensor, low: torch.Tensor, parity: torch.Tensor) -> None:
+    """The planes of the fp32 `master` (n elements, the first at bit 0 of `parity`'s first byte): `weights` (bf16,
+    rounded to nearest-even as torch casts), `low` (int16: the low 16 bits), `parity` (uint8, `parity_bytes(n)`:
+    the high halves' parities; a last partial byte keeps its bits past n)."""
+    n = master.numel()
+    weights.copy_(master)
+    low.copy_(master.view(torch.int32))  # int32 -> int16 keeps the low 16 bits
+    whole = n // 8 * 8
+    if whole:  # bit 16 of an element is bit 0 of its third byte
+        bits = master[:whole].view(torch.uint8).view(-1, 4)[:, 2] & 1
+        parity[: whole // 8].copy_((bits.view(torch.int64) * _GATHER) >> 56)
+    if whole < n:
+        rest = (master[whole:].view(torch.int32) >> 16) & 1
+        ones = torch.arange(n - whole, dtype=torch.int32, device=master.device)
+        kept = parity[whole // 8] & ((0xFF << (n - whole)) & 0xFF)
+        parity[whole // 8] = kept | (rest << ones).sum().to(torch.uint8)
+
+
+def join(weights: torch.Tensor, low: torch.Tensor, parity: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The fp32 master (into `out`, n elements) whose planes `split` wrote."""
+    n = out.numel()
+    spread = (parity[: parity_bytes(n)].to(torch.int64) * _SPREAD) & _PICK
+    odd = (spread.view(torch.uint8)[:n] != 0).to(torch.int32)
+    w = weights.view(torch.int16).to(torch.int32) & 0xFFFF
+    high = w - ((w ^ odd) & 1)  # the rounded weight, or one less: whichever has the high half's parity
+    out.view(torch.int32).copy_((high << 16) | (low.to(torch.int32) & 0xFFFF))
+    return out
+
+
+class MasterHalves:
+    """The planes of one unit's fp32 `master` buffer (pinned host memory), and where its newest weights are.
+
+    `planes`: the buffer holds the planes (else the fp32 master, which the parameters view). `stale`: the weights
+    plane is older than the unit's GPU slot, which an update on the GPU wrote instead; the window writes the slot
+    back (`written_back`: the event after which the plane holds it) before the slot takes another unit.
+    """
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master, n = master, master.numel()
+        self.weights = master.view(torch.bfloat16)[:n]
+        self.low = master.view(torch.int16)[n:]
+        self.parity = host_zeros(parity_bytes(n), torch.uint8)
+        self.pinned = pin_(self.parity)
+        self.planes = self.stale = False
+        self.written_back: object = None
+
+    def to_planes(self, scratch: torch.Tensor) -> None:
+        """The fp32 master -> the planes, in place (`scratch`: fp32, at least the unit's size)."""
+        n = self.master.numel()
+        fp32 = scratch[:n].copy_(self.master)
+        for a in range(0, n, PIECE):
+            b = min(a + PIECE, n)
+            split(fp32[a:b], self.weights[a:b], self.low[a:b], self.parity[a // 8 :])
+        self.planes = True
+
+    def to_master(self, scratch: torch.Tensor) -> None:
+        """The planes -> the fp32 master, in place (the weights plane must hold the newest weights: not `stale`)."""
+        n = self.master.numel()
+        copy = scratch[:n].copy_(self.master)
+        weights, low = copy.view(torch.bfloat16)[:n], copy.view(torch.int16)[n:]
+        for a in range(0, n, PIECE):
+            b = min(a + PIECE, n)
+            join(weights[a:b], low[a:b], self.parity[a // 8 :], self.master[a:b])
+        self.planes = False
+
+    def release(self) -> None:
+        if self.pinned:
+            unpin_(self.parity)
+            self.pinned = False

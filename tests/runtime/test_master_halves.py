@@ -1,0 +1,187 @@
+"""Masters as planes (`master_halves`): the units the GPU updates in a bf16 run keep their fp32 master as a weights
+plane, the low halves and the parities while they train. On the CPU (standing in for the GPU, as in
+test_device_update) they train bit for bit as the CPU pool trains whole masters, whatever the window gives up when,
+and the parameters are fp32 masters again whenever the state is read."""
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightning_slide.device_update as device_update
+import lightning_slide.engine as engine_module
+from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode, master_halves
+from lightning_slide.planner import ModelShape, Plan, Setup
+from tests.runtime.helpers import CausalLM, param_groups, tiny_model, token_batches, trainer
+
+MODES = [StepMode(), StepMode(clip_norm=0.05), StepMode(accumulates=True), StepMode(accumulates=True, clip_norm=0.05)]
+MODE_IDS = ["eager", "clipped", "accumulated", "accumulated-clipped"]
+
+
+def _engine(on_device: bool, precision: str, mode: StepMode, monkeypatch, slots: int | str = 2,
+            arch: str = "qwen2-tied") -> tuple[SlideEngine, torch.nn.Module]:
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device if on_device else None)
+    model = tiny_model(arch)
+    config = SlideConfig(moment_precision=precision, slots=slots, gpu_update_blocks=2 if precision == "fp32" else 0,
+                         chunk_elems=1024)
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config, torch.device("cpu"),
+                         torch.bfloat16, mode)
+    return engine, model
+
+
+def _steps(engine: SlideEngine, model: torch.nn.Module, steps: int, accumulate: int = 1) -> None:
+    """bf16-mixed steps through the engine's protocol, with no synchronize between them (as in a fit)."""
+    batches = token_batches(steps * accumulate)
+    for i in range(0, len(batches), accumulate):
+        for k, x in enumerate(batches[i : i + accumulate]):
+            engine.new_micro_batch()
+            if k == accumulate - 1:
+                engine.begin_step()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+
+
+def _assert_same_state(a: SlideEngine, b: SlideEngine) -> None:
+    for x, y in zip(a.storages, b.storages):
+        assert torch.equal(x.master, y.master), x.name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(x, key).values, getattr(y, key).values), x.name
+
+
+@pytest.mark.parametrize("slots", [2, 8], ids=["blocks-slide", "all-resident"])
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("precision", ["int8", "bf16", "fp32"], ids=["int8", "bf16", "fp32-2-of-3-blocks"])
+def test_masters_as_planes_train_bit_for_bit_as_whole_masters_on_the_cpu(precision, mode, slots, monkeypatch):
+    """Several chunks a unit (1,024 elements), the window giving up slots whose units' newest weights only they hold
+    (2 slots) or keeping every block; a tied embedding; accumulation lands its sums without a slot to write."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(device_update, "code_kernels_on", lambda device: False)  # the torch ops
+    accumulate = 2 if mode.accumulates else 1
+    runs = [_engine(on, precision, mode, monkeypatch, slots) for on in (False, True)]
+    for engine, model in runs:
+        _steps(engine, model, 3, accumulate)
+    planes = runs[1][0]
+    gpu = planes.adam.on_device.units
+    assert {s.index for s in planes.storages if s.halves is not None} == gpu
+    assert all(s.halves.planes for s in planes.storages if s.halves is not None)
+    for engine, _ in runs:
+        engine.synchronize()
+    assert not any(s.halves.planes for s in planes.storages if s.halves is not None)
+    _assert_same_state(runs[0][0], planes)
+    for engine, _ in runs:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
+def test_the_kernels_planes_train_bit_for_bit_as_the_torch_ops(mode, monkeypatch):
+    """`ops.master_halves` (here in Triton's interpreter) splits and joins every chunk in the updater."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    runs = [_engine(on, "int8", mode, monkeypatch) for on in (False, True)]
+    assert runs[1][0].adam.on_device.planes.__name__ == "lightning_slide.ops.master_halves"
+    for engine, model in runs:
+        _steps(engine, model, 3)
+        engine.synchronize()
+    _assert_same_state(runs[0][0], runs[1][0])
+    for engine, _ in runs:
+        engine.close()
+
+
+def test_a_slot_given_up_is_written_back_to_its_plane_before_it_takes_another_unit(monkeypatch):
+    """Two slots for three blocks: each forward gives up slots that updates wrote the newest weights into."""
+    engine, model = _engine(True, "int8", StepMode(), monkeypatch, slots=2, arch="llama")
+    _steps(engine, model, 3)
+    assert engine.window.written_back_bytes > 0
+    assert engine.stats()["d2h_weights_back_bytes"] == engine.window.written_back_bytes
+    engine.close()
+
+
+def test_a_resident_units_update_moves_its_low_halves_and_parities_and_leaves_its_weights_in_the_slot(monkeypatch):
+    """Every unit has a slot: per element of master 2 bytes and a parity bit each way, instead of fp32's 4."""
+    runs = [_engine(True, "int8", StepMode(), monkeypatch, slots=8)]
+    monkeypatch.setattr(master_halves, "applies", lambda *args: False)
+    runs.append(_engine(True, "int8", StepMode(), monkeypatch, slots=8))
+    for engine, model in runs:
+        _steps(engine, model, 2)
+        engine.adam.drain()
+    planes, whole = (engine for engine, _ in runs)
+    assert not any(s.halves is not None for s in whole.storages)
+    saved_a_way = sum(4 * s.trainable_numel - (2 * s.trainable_numel + master_halves.parity_bytes(s.trainable_numel))
+                      for s in planes.storages)  # one chunk a unit
+    moved = [e.adam.on_device.bytes_up + e.adam.on_device.bytes_down for e in (planes, whole)]
+    assert moved[1] - moved[0] == 2 * 2 * saved_a_way  # two steps, up and back
+    assert planes.window.written_back_bytes == 0  # no slot was given up
+    planes.close(), whole.close()
+
+
+def test_a_unit_whose_master_is_planes_loads_its_bf16_weights_plane_without_a_cast(monkeypatch):
+    engine, model = _engine(True, "int8", StepMode(), monkeypatch, slots=2, arch="llama")
+    _steps(engine, model, 1)
+    engine.adam.drain()
+    window, block = engine.window, engine.storages[2]
+    window.shrink(0)  # every slot given up: written back where an update left the newest weights there
+    window.grow(1)
+    before = window.load_bytes[2]
+    slot = window.ensure(2, 2, 1, set())
+    assert window.load_bytes[2] - before == 2 * block.numel
+    assert torch.equal(slot.params[: block.numel], block.halves.weights)
+    engine.synchronize()
+    assert torch.equal(slot.params[: block.numel], block.master.to(torch.bfloat16))
+    engine.close()
+
+
+def test_closing_without_a_synchronize_leaves_the_parameters_fp32_masters(monkeypatch):
+    runs = [_engine(on, "int8", StepMode(), monkeypatch) for on in (False, True)]
+    for engine, model in runs:
+        _steps(engine, model, 2)
+        engine.close()
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][1].parameters(), runs[1][1].parameters()))
+
+
+def test_a_fit_that_validates_and_checkpoints_every_step_trains_as_the_cpu_pool(tmp_path, monkeypatch):
+    """bf16-mixed through Lightning: each checkpoint reads the state (the masters turn fp32 again), each validation
+    loads the blocks, and the next step's forward turns them into planes again."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    model, batches = tiny_model("llama"), token_batches(4)
+    runs = []
+    for on_device in (False, True):
+        monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device, on=on_device: device if on else None)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / str(on_device), every_n_train_steps=1, save_top_k=-1)
+        module = CausalLM(copy.deepcopy(model))
+        trainer(SlideStrategy(moment_precision="int8", slots=2), 4, precision="bf16-mixed", val_check_interval=2,
+                limit_val_batches=1, callbacks=[checkpoints], enable_checkpointing=True).fit(
+            module, DataLoader(batches, batch_size=None), DataLoader(batches[:1], batch_size=None))
+        runs.append(module)
+    assert all(torch.equal(p, q) for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters()))
+    saved = torch.load(tmp_path / "True" / "epoch=0-step=4.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[f"model.{name}"], p) for name, p in runs[1].model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "dtype, chunk, largest, applies",
+    [(torch.bfloat16, 1024, 5000, True), (torch.bfloat16, 1028, 5000, False), (torch.bfloat16, 1028, 1000, True),
+     (torch.float32, 1024, 5000, False), (torch.float16, 1024, 5000, False)],
+    ids=["bf16", "chunks-inside-parity-bytes", "one-chunk-a-unit", "fp32", "fp16"])
+def test_masters_train_as_planes_only_computing_in_bf16_on_whole_parity_bytes(dtype, chunk, largest, applies):
+    assert master_halves.applies(dtype, chunk, largest) is applies
+
+
+def test_the_plan_counts_the_parity_planes_and_the_conversion_scratch_where_the_gpu_updates_in_bf16():
+    from transformers import LlamaConfig
+
+    from tests.runtime.test_planner import LLAMA_8B
+
+    shape = ModelShape.from_config(LlamaConfig(**LLAMA_8B))
+    for dtype, counted in ((torch.bfloat16, True), (torch.float32, False)):
+        setup = Setup(SlideConfig(moment_precision="int8"), device="cuda", dtype=dtype)
+        entries = {e.what: e for e in Plan.static(shape, setup).entries}
+        parity = entries.get("parity planes of the masters the GPU updates (master_halves)")
+        scratch = entries.get("scratch turning those masters into planes and back (at the first step, at state reads)")
+        assert (parity is not None, scratch is not None) == (counted, counted)
+        if counted:
+            assert parity.where == "pinned"
+            assert parity.bytes == sum(master_halves.parity_bytes(u.numel) for u in shape.units)
+            assert scratch.bytes == 4 * max(u.numel for u in shape.units)  # the largest unit's fp32 master
