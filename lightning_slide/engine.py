@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 import warnings
 import weakref
 from contextlib import suppress
@@ -191,6 +192,7 @@ class SlideEngine:
         self.graphs = GraphBudget(self.config.recompute)
         self._step_tensors: list[torch.Tensor] = []
         self.wait_drain_s = 0.0
+        self.planes_s = 0.0  # the training thread's time turning masters into planes and back (`master_halves`)
 
     @property
     def wait_grads_s(self) -> float:
@@ -509,22 +511,26 @@ class SlideEngine:
 
     def _masters_to_planes(self) -> None:
         """Turn the masters of the units the GPU updates into planes, once copies still reading them are done."""
+        start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         scratch = torch.empty(max(h.master.numel() for h in self._halves))
         for h in self._halves:
             if not h.planes:
                 h.to_planes(scratch)
+        self.planes_s += time.perf_counter() - start
 
     def _planes_to_masters(self) -> None:
         """The masters whole again: the slots' newest weights written back to their planes first."""
         if not any(h.planes for h in self._halves):
             return
+        start = time.perf_counter()
         self.window.write_back()
         scratch = torch.empty(max(h.master.numel() for h in self._halves))
         for h in self._halves:
             if h.planes:
                 h.to_master(scratch)
+        self.planes_s += time.perf_counter() - start
 
     # -------------------------------------------------------------------------------------- state
     def master_changed(self) -> None:
@@ -579,6 +585,7 @@ class SlideEngine:
             "update_work_by_unit_s": {s.name: w for s, w in zip(self.storages, self.adam.work_s) if w},
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
+            "planes_s": self.planes_s,
             "kept_graphs": self.graphs.kept,
             "gpu_updated_units": len(updater.units) if updater else 0,  # units whose AdamW runs on the GPU
             "block_slots": len(self.window.ring),  # blocks with a GPU slot (grown by the first step's adaptation)
