@@ -51,7 +51,7 @@ from lightning_slide.moment_codec import (
 )
 from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.storage import UnitStorage
-from lightning_slide.streams import Lane
+from lightning_slide.streams import Lane, host_wait
 
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 176 MiB a set, 8-bit moments coded by the kernels)
 FP32_SETS = 2  # buffer sets, each on its own stream, for fp32 blocks (four slowed the CPU's share: design.md)
@@ -224,11 +224,13 @@ def buffer_sets(precision: str) -> int:
     return FP32_SETS if precision == "fp32" else COMPACT_SETS
 
 
-def chunk_elems(largest_trainable: int, piece: int) -> int:
+def chunk_elems(largest_trainable: int, piece: int, halves: bool = False) -> int:
     """A buffer set's elements: a whole number of the CPU path's pieces (so the rounding noise lines up), at most
-    CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs."""
+    CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs; with the masters as planes
+    (`halves`) a multiple of 8, whole parity bytes (a chunk that is one piece covers a unit's trainable range)."""
     pieces = max(1, min(CHUNK_ELEMS, largest_trainable) // piece)
-    return min(pieces * piece, -(-largest_trainable // piece) * piece)
+    chunk = min(pieces * piece, -(-largest_trainable // piece) * piece)
+    return -(-chunk // 8) * 8 if halves else chunk
 
 
 class _Buffers:
@@ -280,7 +282,7 @@ class DeviceUpdater:
         by `ops.master_halves` (None: wherever those run), or by torch ops (a pass over the chunk per op).
         `halves`: the units' masters train as planes (`master_halves`), with room for them in each buffer set."""
         self.device, self.codecs, self.piece = device, codecs, piece
-        self.chunk = chunk_elems(largest_trainable, piece)
+        self.chunk = chunk_elems(largest_trainable, piece, halves)
         compact = codecs[0].precision != "fp32"
         self.code_kernels = compact and (code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
@@ -303,7 +305,7 @@ class DeviceUpdater:
         """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
         says)."""
         table = table_bytes(precision)  # the host table, copied up whole
-        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece), precision, code_kernels, halves)
+        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece, halves), precision, code_kernels, halves)
         return buffer_sets(precision) * one + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
@@ -414,12 +416,15 @@ class DeviceUpdater:
         n = master.numel()
         if halves is None:
             return room.master[:n].copy_(master, non_blocking=True)
-        span, bytes_ = slice(start, start + n), slice(start // 8, start // 8 + parity_bytes(n))
-        low = room.low[:n].copy_(halves.low[span], non_blocking=True)
+        for at, host_weights, host_low in halves.pieces(start, start + n):
+            piece = slice(at - start, at - start + host_low.numel())
+            room.low[piece].copy_(host_low, non_blocking=True)
+            if weights is None:
+                room.weights[piece].copy_(host_weights, non_blocking=True)
+        bytes_ = slice(start // 8, start // 8 + parity_bytes(n))
         parity = room.parity[: parity_bytes(n)].copy_(halves.parity[bytes_], non_blocking=True)
-        if weights is None:
-            weights = room.weights[:n].copy_(halves.weights[span], non_blocking=True)
-        return self.planes.join(weights, low, parity, room.master[:n])
+        return self.planes.join(room.weights[:n] if weights is None else weights, room.low[:n], parity,
+                                room.master[:n])
 
     def _master_back(self, room: _Buffers, gm: torch.Tensor, master: torch.Tensor, halves: MasterHalves | None,
                      start: int, weights: torch.Tensor | None) -> None:
@@ -431,13 +436,47 @@ class DeviceUpdater:
             if weights is not None:
                 weights.copy_(gm)
             return
-        span, bytes_ = slice(start, start + n), slice(start // 8, start // 8 + parity_bytes(n))
-        low, parity = room.low[:n], room.parity[: parity_bytes(n)]
-        self.planes.split(gm, room.weights[:n] if weights is None else weights, low, parity)
-        halves.low[span].copy_(low, non_blocking=True)
-        halves.parity[bytes_].copy_(parity, non_blocking=True)
-        if weights is None:
-            halves.weights[span].copy_(room.weights[:n], non_blocking=True)
+        parity = room.parity[: parity_bytes(n)]
+        self.planes.split(gm, room.weights[:n] if weights is None else weights, room.low[:n], parity)
+        for at, host_weights, host_low in halves.pieces(start, start + n):
+            piece = slice(at - start, at - start + host_low.numel())
+            host_low.copy_(room.low[piece], non_blocking=True)
+            if weights is None:
+                host_weights.copy_(room.weights[piece], non_blocking=True)
+        halves.parity[start // 8 : start // 8 + parity_bytes(n)].copy_(parity, non_blocking=True)
+
+    def convert(self, units: Sequence[MasterHalves], planes: bool) -> None:
+        """Turn the fp32 masters of `units` into planes (`planes`), or the planes into fp32 masters, chunk by chunk
+        in place: a chunk goes up, is split or joined, and comes back into its own bytes (on the link, both ways
+        at once; on the host, no pass at all). Returns once all are back."""
+        k = 0
+        for halves in (h for h in units if h.planes != planes):
+            for a, b in halves.chunks():
+                lane, room = self.lanes[k % len(self.lanes)], self.sets[k % len(self.sets)]
+                k += 1
+                with lane():
+                    lane.wait(halves.written_back)
+                    self._convert_chunk(room, halves, a, b, planes)
+            halves.planes = planes
+        for lane in self.lanes:
+            host_wait(lane.record())
+
+    def _convert_chunk(self, room: _Buffers, halves: MasterHalves, a: int, b: int, planes: bool) -> None:
+        """One chunk of `convert`, on the current lane."""
+        n, bytes_ = b - a, slice(a // 8, a // 8 + parity_bytes(b - a))
+        ((_, host_weights, host_low),) = halves.pieces(a, b)
+        master, weights, low, parity = room.master[:n], room.weights[:n], room.low[:n], room.parity[: parity_bytes(n)]
+        if planes:
+            master.copy_(halves.master[a:b], non_blocking=True)
+            self.planes.split(master, weights, low, parity)
+            host_weights.copy_(weights, non_blocking=True)
+            host_low.copy_(low, non_blocking=True)
+            halves.parity[bytes_].copy_(parity, non_blocking=True)
+        else:
+            weights.copy_(host_weights, non_blocking=True)
+            low.copy_(host_low, non_blocking=True)
+            parity.copy_(halves.parity[bytes_], non_blocking=True)
+            halves.master[a:b].copy_(self.planes.join(weights, low, parity, master), non_blocking=True)
 
     def _decode(self, room: _Buffers, values: list[torch.Tensor], scales: list[torch.Tensor | None],
                 n: int) -> list[torch.Tensor]:

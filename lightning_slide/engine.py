@@ -155,7 +155,7 @@ class SlideEngine:
                                 LayerAdam.widen_elems(largest, config.moment_precision), halves=halves)
         updater.serve(self.storages, units)
         for u in units if halves else ():
-            self.storages[u].add_halves()
+            self.storages[u].add_halves(updater.chunk)
         return updater
 
     def _chunk_elems(self) -> int:
@@ -514,10 +514,7 @@ class SlideEngine:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        scratch = torch.empty(max(h.master.numel() for h in self._halves))
-        for h in self._halves:
-            if not h.planes:
-                h.to_planes(scratch)
+        self.adam.on_device.convert(self._halves, planes=True)
         self.planes_s += time.perf_counter() - start
 
     def _planes_to_masters(self) -> None:
@@ -526,10 +523,7 @@ class SlideEngine:
             return
         start = time.perf_counter()
         self.window.write_back()
-        scratch = torch.empty(max(h.master.numel() for h in self._halves))
-        for h in self._halves:
-            if h.planes:
-                h.to_master(scratch)
+        self.adam.on_device.convert(self._halves, planes=False)
         self.planes_s += time.perf_counter() - start
 
     # -------------------------------------------------------------------------------------- state

@@ -8,11 +8,12 @@ master back, exactly. A resident unit's update then moves 2 1/8 bytes of master 
 weights stay in the slot (the host's weights plane is written back when the slot is given up or the state is
 read); a unit without a slot moves its weights plane as well, and a load of it copies 2 bytes (no cast) instead of 4.
 
-Layout, in the unit's own master buffer (4 bytes an element, so nothing more of RAM): the weights plane (bf16) in
-its first half, the low halves (int16) in its second; the parities packed 8 to a byte (element e at bit e % 8 of
-byte e // 8) in a buffer of their own, 1/8 byte an element. The module's parameters are views of the fp32 master,
-so the planes live only while training runs: `MasterHalves.to_planes` at a step's start, `to_master` when the
-state is read (the engine's `synchronize`), each in place through a scratch copy of the unit.
+Layout, in the unit's own master buffer (4 bytes an element, so nothing more of RAM), chunk by chunk (the GPU
+updater's chunks): a chunk's weights (bf16), then its low halves (int16), in the chunk's own bytes; the parities
+packed 8 to a byte (element e at bit e % 8 of byte e // 8) in a buffer of their own, 1/8 byte an element. The
+module's parameters are views of the fp32 master, so the planes live only while training runs: the GPU turns each
+chunk into planes at a step's start and back when the state is read (the engine's `synchronize`), in place, at the
+link's speed (`DeviceUpdater.convert`).
 
 `split` and `join` are the definition, in torch ops on any device; `ops.master_halves` is the same in one Triton
 pass each, bit for bit. A NaN master joins as a NaN (its payload may change); every other value comes back exact.
@@ -21,12 +22,12 @@ pass each, bit for bit. A NaN master joins as a NaN (its payload may change); ev
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import torch
 
 from lightning_slide.pinned import host_zeros, pin_, unpin_
 
-PIECE = 1 << 22  # elements converted at a time on the host (a multiple of 8: whole parity bytes)
 _GATHER = 0x0102040810204080  # x * this >> 56: the low bits of x's 8 bytes, byte i at bit i
 _SPREAD = 0x0101010101010101  # a byte copied into each of 8
 _PICK = 0x8040201008040201 - (1 << 64)  # ... and bit i kept in byte i (as a signed int64)
@@ -78,38 +79,38 @@ def join(weights: torch.Tensor, low: torch.Tensor, parity: torch.Tensor, out: to
 class MasterHalves:
     """The planes of one unit's fp32 `master` buffer (pinned host memory), and where its newest weights are.
 
-    `planes`: the buffer holds the planes (else the fp32 master, which the parameters view). `stale`: the weights
-    plane is older than the unit's GPU slot, which an update on the GPU wrote instead; the window writes the slot
-    back (`written_back`: the event after which the plane holds it) before the slot takes another unit.
+    The buffer is cut into chunks of `chunk` elements (a multiple of 8: whole parity bytes); a chunk's planes take
+    its own bytes, its weights first, then its low halves, so that one chunk turns into planes and back without
+    touching another's (`DeviceUpdater.convert`). `planes`: the buffer holds the planes (else the fp32 master, which
+    the parameters view). `stale`: the weights plane is older than the unit's GPU slot, which an update on the GPU
+    wrote instead; the window writes the slot back (`written_back`: the event after which the plane holds it)
+    before the slot takes another unit.
     """
 
-    def __init__(self, master: torch.Tensor) -> None:
-        self.master, n = master, master.numel()
-        self.weights = master.view(torch.bfloat16)[:n]
-        self.low = master.view(torch.int16)[n:]
-        self.parity = host_zeros(parity_bytes(n), torch.uint8)
+    def __init__(self, master: torch.Tensor, chunk: int) -> None:
+        self.master, self.chunk = master, -(-chunk // 8) * 8
+        self._halves = master.view(torch.int16)
+        self.parity = host_zeros(parity_bytes(master.numel()), torch.uint8)
         self.pinned = pin_(self.parity)
         self.planes = self.stale = False
         self.written_back: object = None
 
-    def to_planes(self, scratch: torch.Tensor) -> None:
-        """The fp32 master -> the planes, in place (`scratch`: fp32, at least the unit's size)."""
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start, end) of each chunk."""
         n = self.master.numel()
-        fp32 = scratch[:n].copy_(self.master)
-        for a in range(0, n, PIECE):
-            b = min(a + PIECE, n)
-            split(fp32[a:b], self.weights[a:b], self.low[a:b], self.parity[a // 8 :])
-        self.planes = True
+        return [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
 
-    def to_master(self, scratch: torch.Tensor) -> None:
-        """The planes -> the fp32 master, in place (the weights plane must hold the newest weights: not `stale`)."""
+    def pieces(self, a: int, b: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Elements [a, b) of the planes, a piece per chunk they cross: (its first element, its weights (bf16),
+        its low halves (int16))."""
         n = self.master.numel()
-        copy = scratch[:n].copy_(self.master)
-        weights, low = copy.view(torch.bfloat16)[:n], copy.view(torch.int16)[n:]
-        for a in range(0, n, PIECE):
-            b = min(a + PIECE, n)
-            join(weights[a:b], low[a:b], self.parity[a // 8 :], self.master[a:b])
-        self.planes = False
+        while a < b:
+            first = a - a % self.chunk
+            m = min(first + self.chunk, n) - first
+            end = min(b, first + m)
+            at = 2 * first + a - first  # the piece's weights in the chunk's first m halves, its low halves after
+            yield a, self._halves[at : at + end - a].view(torch.bfloat16), self._halves[at + m : at + m + end - a]
+            a = end
 
     def release(self) -> None:
         if self.pinned:

@@ -311,10 +311,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         what = f"{precision} moments' fp32 update scratch" + (" + rounding table" if precision == "bf16" else "")
         entries.append(Entry(what, "ram", LayerAdam.scratch_bytes(largest, precision) + table_bytes(precision)))
     if served and _halves(shape, setup):
-        entries += [Entry("parity planes of the masters the GPU updates (master_halves)", setup.pinned,
-                          sum(UnitStorage.bytes_for("parity", shape.units[u].numel) for u in served)),
-                    Entry("scratch turning those masters into planes and back (at the first step, at state reads)",
-                          "ram", UnitStorage.bytes_for("master", max(shape.units[u].numel for u in served)))]
+        entries.append(Entry("parity planes of the masters the GPU updates (master_halves)", setup.pinned,
+                             sum(UnitStorage.bytes_for("parity", shape.units[u].numel) for u in served)))
     if served:
         largest = max(shape.units[u].trainable for u in served)
         piece = LayerAdam.widen_elems(largest, precision)

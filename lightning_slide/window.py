@@ -197,18 +197,21 @@ class Window:
         storage = self.storages[unit]
         dst = slot.params[: storage.numel]
         planes = storage.halves is not None and storage.halves.planes
-        source = storage.halves.weights if planes else storage.master if storage.shadow is None else storage.shadow
+        source = storage.master if storage.shadow is None else storage.shadow
         with self.h2d():
             self.h2d.wait(slot.params_free)
             self.h2d.wait(written)
             self.h2d.wait(self.adam.landed[unit])  # an update queued on the GPU writes the master read here
-            if source.dtype == dst.dtype or self.staging is None:
+            if planes:  # the weights plane, chunk by chunk
+                for at, weights, _ in storage.halves.pieces(0, storage.numel):
+                    dst[at : at + weights.numel()].copy_(weights, non_blocking=True)
+            elif source.dtype == dst.dtype or self.staging is None:
                 dst.copy_(source, non_blocking=True)
             else:
                 self._cast_in(dst, source)
             slot.loaded = self.h2d.record()
         slot.unit, slot.version = unit, self.adam.scheduled[unit]
-        self.load_bytes[unit] += dst.numel() * source.element_size()
+        self.load_bytes[unit] += dst.numel() * (dst.element_size() if planes else source.element_size())
 
     def _write_back(self, slot: Slot, unit: int) -> object:
         """Where the slot holds `unit`'s newest weights and its master's weights plane does not (`MasterHalves.stale`),
@@ -219,7 +222,8 @@ class Window:
         n = self.storages[unit].trainable_numel
         with self.h2d():
             self.h2d.wait(slot.loaded)
-            halves.weights[:n].copy_(slot.params[:n], non_blocking=True)
+            for at, weights, _ in halves.pieces(0, n):
+                weights.copy_(slot.params[at : at + weights.numel()], non_blocking=True)
             halves.written_back = self.h2d.record()
         halves.stale = False
         self.written_back_bytes += n * slot.params.element_size()

@@ -80,9 +80,11 @@ def test_masters_as_planes_on_cuda_train_as_whole_masters(precision, blocks, cli
     from lightning_slide import SlideStrategy, master_halves
 
     model, batches = tiny_model("llama"), token_batches(STEPS)
-    converted, to_planes = [], master_halves.MasterHalves.to_planes
-    monkeypatch.setattr(master_halves.MasterHalves, "to_planes",
-                        lambda self, scratch: converted.append(self) or to_planes(self, scratch))
+    from lightning_slide.device_update import DeviceUpdater
+
+    converted, convert = [], DeviceUpdater.convert
+    monkeypatch.setattr(DeviceUpdater, "convert",
+                        lambda self, units, planes: converted.append(planes) or convert(self, units, planes))
     runs = []
     for planes in (True, False):
         if not planes:

@@ -24,6 +24,7 @@ P, N, F = "*{}", "i32", "fp32"  # pointer (to a dtype), integer, float scalar
 def _kernels(dtype: str):
     import lightning_slide.ops.cross_entropy as lce
     import lightning_slide.ops.glu as glu
+    import lightning_slide.ops.master_halves as halves
     import lightning_slide.ops.moment_codes as codes
     import lightning_slide.ops.norm as norm
     import lightning_slide.ops.rotary as rotary
@@ -47,6 +48,8 @@ def _kernels(dtype: str):
                          "PIECE": 1 << 16}),
         "encode_bf16": (codes._encode_bf16, ["*fp32", "*i16", "*i32", N, "i64"],
                         {"PERIOD": 1 << 20, "PIECE": 1 << 16, "BLOCK": codes.BF16_BLOCK}),
+        "split_master": (halves._split, ["*fp32", "*i16", "*i16", "*u8", N], {"BLOCK": halves.BLOCK}),
+        "join_master": (halves._join, ["*i16", "*i16", "*u8", "*fp32", N], {"BLOCK": halves.BLOCK}),
     }
 
 

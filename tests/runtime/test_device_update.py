@@ -200,6 +200,7 @@ def test_a_buffer_set_is_a_whole_number_of_pieces_within_the_largest_unit():
     assert device_update.chunk_elems(3000, 1000) == 3000
     assert device_update.chunk_elems(2500, 1000) == 2000  # two pieces; the unit's third, partial one is a chunk
     assert device_update.chunk_elems(700, 700) == 700
+    assert device_update.chunk_elems(700, 700, halves=True) == 704  # whole parity bytes: still one chunk a unit
 
 
 def test_a_chunks_bf16_noise_is_what_the_cpu_pieces_draw_also_across_the_tables_end():

@@ -127,10 +127,45 @@ def test_a_unit_whose_master_is_planes_loads_its_bf16_weights_plane_without_a_ca
     before = window.load_bytes[2]
     slot = window.ensure(2, 2, 1, set())
     assert window.load_bytes[2] - before == 2 * block.numel
-    assert torch.equal(slot.params[: block.numel], block.halves.weights)
+    assert torch.equal(slot.params[: block.numel], _weights(block.halves))
     engine.synchronize()
     assert torch.equal(slot.params[: block.numel], block.master.to(torch.bfloat16))
     engine.close()
+
+
+def _weights(halves: master_halves.MasterHalves) -> torch.Tensor:
+    return torch.cat([weights for _, weights, _ in halves.pieces(0, halves.master.numel())])
+
+
+def test_the_updater_turns_a_unit_into_planes_and_back_chunk_by_chunk_in_place(monkeypatch):
+    """Chunks of 1,024 elements and a partial last one (not a whole parity byte): each chunk's weights and low halves
+    in its own bytes, every master back exactly."""
+    from lightning_slide.moment_codec import codecs
+    from tests.ops.test_master_halves import _masters
+
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    updater = device_update.DeviceUpdater(torch.device("cpu"), codecs("int8"), 4096, 256, code_kernels=False,
+                                          halves=True)
+    master = _masters(5000 + 3, "cpu")
+    master[torch.isnan(master)] = 0.25
+    halves = master_halves.MasterHalves(master.clone(), updater.chunk)
+    assert updater.chunk == 1024 and len(halves.chunks()) == 5
+    updater.convert([halves], planes=True)
+    assert halves.planes
+    assert torch.equal(_weights(halves).view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+    low = torch.cat([low for _, _, low in halves.pieces(0, master.numel())])
+    assert torch.equal(low, master.view(torch.int32).to(torch.int16))
+    updater.convert([halves], planes=False)
+    assert not halves.planes and torch.equal(halves.master.view(torch.int32), master.view(torch.int32))
+
+
+def test_a_piece_of_the_planes_never_crosses_a_chunk():
+    halves = master_halves.MasterHalves(torch.arange(20, dtype=torch.float32), 8)
+    pieces = [(at, weights.numel(), low.numel()) for at, weights, low in halves.pieces(5, 19)]
+    assert pieces == [(5, 3, 3), (8, 8, 8), (16, 3, 3)]
+    (_, weights, low), = halves.pieces(16, 20)  # the last chunk, 4 elements: its weights, then its low halves
+    bits = halves.master.view(torch.int16)
+    assert weights.data_ptr() == bits[32:].data_ptr() and low.data_ptr() == bits[36:].data_ptr()
 
 
 def test_closing_without_a_synchronize_leaves_the_parameters_fp32_masters(monkeypatch):
@@ -169,7 +204,7 @@ def test_masters_train_as_planes_only_computing_in_bf16_on_whole_parity_bytes(dt
     assert master_halves.applies(dtype, chunk, largest) is applies
 
 
-def test_the_plan_counts_the_parity_planes_and_the_conversion_scratch_where_the_gpu_updates_in_bf16():
+def test_the_plan_counts_the_parity_planes_where_the_gpu_updates_in_bf16():
     from transformers import LlamaConfig
 
     from tests.runtime.test_planner import LLAMA_8B
@@ -179,9 +214,7 @@ def test_the_plan_counts_the_parity_planes_and_the_conversion_scratch_where_the_
         setup = Setup(SlideConfig(moment_precision="int8"), device="cuda", dtype=dtype)
         entries = {e.what: e for e in Plan.static(shape, setup).entries}
         parity = entries.get("parity planes of the masters the GPU updates (master_halves)")
-        scratch = entries.get("scratch turning those masters into planes and back (at the first step, at state reads)")
-        assert (parity is not None, scratch is not None) == (counted, counted)
+        assert (parity is not None) == counted
         if counted:
             assert parity.where == "pinned"
             assert parity.bytes == sum(master_halves.parity_bytes(u.numel) for u in shape.units)
-            assert scratch.bytes == 4 * max(u.numel for u in shape.units)  # the largest unit's fp32 master
