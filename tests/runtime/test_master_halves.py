@@ -218,3 +218,65 @@ def test_the_plan_counts_the_parity_planes_where_the_gpu_updates_in_bf16():
         if counted:
             assert parity.where == "pinned"
             assert parity.bytes == sum(master_halves.parity_bytes(u.numel) for u in shape.units)
+
+
+def test_a_run_resumed_from_its_checkpoint_with_masters_as_planes_equals_the_uninterrupted_run(tmp_path,
+                                                                                               monkeypatch):
+    """The checkpoint is written from fp32 masters; loading it writes fp32 masters, which turn into planes again."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    model, batches = tiny_model("qwen2-tied"), token_batches(4)
+
+    def run(module: CausalLM, steps: int, root, ckpt_path=None, callbacks=()) -> None:
+        trainer(SlideStrategy(moment_precision="int8", slots=2), steps, clip=1.0, precision="bf16-mixed",
+                default_root_dir=root, enable_checkpointing=bool(callbacks), callbacks=list(callbacks)).fit(
+            module, DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+
+    straight = CausalLM(copy.deepcopy(model))
+    run(straight, 6, tmp_path, callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)])
+    resumed = CausalLM(tiny_model("qwen2-tied", seed=123))  # other weights: everything must come from the file
+    run(resumed, 6, tmp_path / "resumed", ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))  # the epoch's end
+    assert all(torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters()))
+
+
+def test_fabric_with_masters_as_planes_trains_as_the_cpu_pool(monkeypatch):
+    """`fabric.clip_gradients`, a state_dict read mid-run (the masters fp32 again) and more steps after it."""
+    from lightning.fabric import Fabric
+
+    from lightning_slide.fabric import SlideFabricStrategy
+    from tests.test_fabric import Run
+
+    model, batches = tiny_model("llama"), token_batches(4)
+    runs = []
+    for on_device in (False, True):
+        monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device, on=on_device: device if on else None)
+        fabric = Fabric(strategy=SlideFabricStrategy(moment_precision="int8", slots=2), accelerator="cpu", devices=1,
+                        precision="bf16-mixed")
+        run = Run(copy.deepcopy(model), fabric=fabric)
+        run.train(batches[:2], clip=0.05)
+        state = {k: v.clone() for k, v in run.model.state_dict().items()}
+        run.train(batches[2:], clip=0.05)
+        runs.append((state, run.close()))
+    assert all(torch.equal(runs[0][0][k], runs[1][0][k]) for k in runs[0][0])
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][1].parameters(), runs[1][1].parameters()))
+
+
+def test_units_on_the_disk_tier_keep_whole_masters_beside_the_planes_of_the_others(tmp_path, monkeypatch):
+    """offload="nvme": the units whose moments are on disk are updated by the CPU pool, the rest on the device."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    model = tiny_model("llama")
+    runs = []
+    for on_device in (False, True):
+        monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device, on=on_device: device if on else None)
+        copy_ = copy.deepcopy(model)
+        config = SlideConfig(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.5, moment_precision="int8",
+                             chunk_elems=1024, slots=2)
+        engine = SlideEngine(copy_, torch.optim.AdamW(param_groups(copy_), lr=1e-2), config, torch.device("cpu"),
+                             torch.bfloat16, StepMode())
+        _steps(engine, copy_, 3)
+        engine.synchronize()
+        runs.append(engine)
+    on_disk = runs[1].moments.on_disk
+    assert on_disk and all((s.halves is None) == (s.index in on_disk) for s in runs[1].storages)
+    _assert_same_state(*runs)
+    for engine in runs:
+        engine.close()
