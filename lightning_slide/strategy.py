@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
+from torch.utils.hooks import RemovableHandle
 
 from lightning_slide.callbacks import HFExport
 from lightning_slide.checkpoint_io import AtomicCheckpointIO
@@ -108,6 +109,7 @@ class SlideStrategy(SingleDeviceStrategy):
         self._planned: tuple | None = None  # (model shape, setup): what micro-batches are checked against
         self._checked_tokens = 0  # the largest micro-batch checked so far
         self._process_bytes = 0  # host memory the process held besides the model's weights at setup
+        self._hooks: list[RemovableHandle] = []
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -171,7 +173,19 @@ class SlideStrategy(SingleDeviceStrategy):
             self.mode,
         )
         precision.engine, precision.automatic = self.engine, module.automatic_optimization
+        self._hooks = self._state_hooks(module)
         self.setup_precision_plugin()
+
+    def _state_hooks(self, module: LightningModule) -> list[RemovableHandle]:
+        """A callback's `state_dict()` of the module (or of the model in it) waits for the updates and reads fp32
+        masters (those the GPU updates are planes while training runs: `master_halves`); its `load_state_dict()`
+        reloads the window."""
+        hooks = []
+        for m in {module, self.engine.model}:
+            hooks += [m.register_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+                      m.register_load_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+                      m.register_load_state_dict_post_hook(lambda *_: self.engine.master_changed())]
+        return hooks
 
     def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any, dtype: torch.dtype) -> None:
         """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
@@ -294,11 +308,6 @@ class SlideStrategy(SingleDeviceStrategy):
         self._synchronize()
         return super().optimizer_state(optimizer)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self.engine is not None:
-            self.engine.master_changed()
-
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load into the engine's flat host state (the base class would move the state to the GPU)."""
         if not self.sliding:
@@ -314,6 +323,9 @@ class SlideStrategy(SingleDeviceStrategy):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def teardown(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self.engine is not None:
             self.engine.close()
             self.engine = None

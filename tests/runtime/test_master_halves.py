@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_slide.device_update as device_update
@@ -280,3 +280,26 @@ def test_units_on_the_disk_tier_keep_whole_masters_beside_the_planes_of_the_othe
     _assert_same_state(*runs)
     for engine in runs:
         engine.close()
+
+
+class _StateEachStep(Callback):
+    """What a callback reads of the module after each step: its state_dict."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.states.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+
+def test_a_callback_reading_the_modules_state_dict_mid_fit_gets_the_fp32_masters(monkeypatch):
+    model, batches = tiny_model("llama"), token_batches(3)
+    seen = []
+    for on_device in (False, True):
+        monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device, on=on_device: device if on else None)
+        callback = _StateEachStep()
+        trainer(SlideStrategy(moment_precision="int8", slots=2), 3, precision="bf16-mixed", callbacks=[callback]).fit(
+            CausalLM(copy.deepcopy(model)), DataLoader(batches, batch_size=None))
+        seen.append(callback.states)
+    assert len(seen[1]) == 3
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(*seen) for k in a)
