@@ -363,7 +363,7 @@ class SlideEngine:
         self._clip_once = max_norm
         if not measure:
             return None
-        self.wait_drain_s += self._drain()
+        self.wait_drain_s += self.drain()
         book = self.grads.book
         self._measured_norm = GlobalNorm(max_norm)
         for unit in sorted(book.stepped):
@@ -468,7 +468,7 @@ class SlideEngine:
         before the step was known (manual optimization) or that backward was skipped, `norm_of_sums` measures the
         sums here instead.
         """
-        self.wait_drain_s += self._drain()
+        self.wait_drain_s += self.drain()
         holding = self.grads.book.holding
         if plan.norm is not None:
             plan.norm.finish(self.d2h, {u: holding[u] for u in units} if norm_of_sums else {})
@@ -486,14 +486,16 @@ class SlideEngine:
             "not finite). As torch's clip_grad_norm_ does, the clipped gradients are 0 (inf norm) or NaN (NaN norm) "
             "in this step's update.", RuntimeWarning, stacklevel=2)
 
-    def _drain(self) -> float:
+    def drain(self) -> float:
+        """Wait for every queued gradient copy and update, leaving the masters as they train (planes where they
+        are); returns the seconds waited."""
         waited = self.failure.wait(self.pump.worker.idle, "the gradient copies") if self.pump else 0.0
         return waited + self.adam.drain()
 
     def synchronize(self) -> None:
         """Wait for every queued copy and update (before reading weights or optimizer state): the fp32 masters
         are then whole and current."""
-        self.wait_drain_s += self._drain()
+        self.wait_drain_s += self.drain()
         self.grads.book.lent.clear()  # every update has read its gradient
         for step in self._step_tensors:
             step.fill_(float(self._step))

@@ -11,6 +11,8 @@ the pure-PyTorch references by setting it to 0).
 from __future__ import annotations
 
 import os
+import threading
+from functools import partial
 
 import torch
 import triton.language.standard as _tl_standard
@@ -46,7 +48,9 @@ class Kernel:
     """A Triton kernel built, at first launch, for the mode triton is in: `Kernel(fn)[grid](...)`.
 
     `triton.jit` would pick the mode from the environment when our module is imported, which
-    need not be the mode triton itself was imported in.
+    need not be the mode triton itself was imported in. Interpreted launches run one at a time: the
+    interpreter keeps a launch's grid in process-wide state, which a launch from another thread (a
+    background optimizer thread beside the training thread) would overwrite.
     """
 
     def __init__(self, fn):
@@ -56,7 +60,16 @@ class Kernel:
     def __getitem__(self, grid):
         if self._built is None:
             self._built = InterpretedFunction(self.fn) if triton_interprets() else JITFunction(self.fn)
-        return self._built[grid]
+        launch = self._built[grid]
+        return partial(_interpreted, launch) if isinstance(self._built, InterpretedFunction) else launch
+
+
+_INTERPRETER = threading.Lock()
+
+
+def _interpreted(launch, *args, **kwargs):
+    with _INTERPRETER:
+        return launch(*args, **kwargs)
 
 
 def device_function(fn):

@@ -106,7 +106,7 @@ def test_a_resident_units_update_moves_its_low_halves_and_parities_and_leaves_it
     runs.append(_engine(True, "int8", StepMode(), monkeypatch, slots=8))
     for engine, model in runs:
         _steps(engine, model, 2)
-        engine.adam.drain()
+        engine.drain()
     planes, whole = (engine for engine, _ in runs)
     assert not any(s.halves is not None for s in whole.storages)
     saved_a_way = sum(4 * s.trainable_numel - (2 * s.trainable_numel + master_halves.parity_bytes(s.trainable_numel))
@@ -120,7 +120,7 @@ def test_a_resident_units_update_moves_its_low_halves_and_parities_and_leaves_it
 def test_a_unit_whose_master_is_planes_loads_its_bf16_weights_plane_without_a_cast(monkeypatch):
     engine, model = _engine(True, "int8", StepMode(), monkeypatch, slots=2, arch="llama")
     _steps(engine, model, 1)
-    engine.adam.drain()
+    engine.drain()
     window, block = engine.window, engine.storages[2]
     window.shrink(0)  # every slot given up: written back where an update left the newest weights there
     window.grow(1)
