@@ -243,17 +243,27 @@ def _child_env() -> dict:
 
 
 def _watch(proc: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
-    """Peak RSS (bytes) of the process and its children, polled until it exits or times out."""
+    """Peak RSS (bytes) of the process and its children, polled until it exits or times out. The worker runs in a
+    session of its own, which a signal to the runner's group does not reach: if the runner ends first (SIGTERM from
+    `timeout`, Ctrl-C), the worker is killed with it rather than left measuring beside the next command."""
     deadline, peak = time.monotonic() + timeout_s, 0
-    root = psutil.Process(proc.pid)
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
+    try:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                return peak, True
+            peak = max(peak, _tree_rss(root))
+            time.sleep(POLL_S)
+        return peak, False
+    finally:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and its children only
             proc.wait()
-            return peak, True
-        peak = max(peak, _tree_rss(root))
-        time.sleep(POLL_S)
-    return peak, False
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the runner through SystemExit, so that `_watch` kills the running worker on the way out."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _tree_rss(root: psutil.Process) -> int:
@@ -335,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required")
+    _exit_on_sigterm()
     command = shlex.join(["python", "-m", "benchmarks.run", *(argv if argv is not None else sys.argv[1:])])
     runner = Runner(args.out, args.budget_s, args.include_known_failures, command, args.commit)
     records = runner.run_all(resolve(args.cases), args.rounds)

@@ -506,3 +506,23 @@ def test_gpu_sh_refuses_a_command_it_does_not_have(tmp_path) -> None:
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "benchh"], capture_output=True, text=True,
                           env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
     assert done.returncode == 2 and "no command 'benchh'" in done.stderr
+
+
+def test_a_runner_ended_by_sigterm_kills_the_worker_it_was_watching():
+    """Workers run in sessions of their own, which `timeout`'s signal to the runner's group does not reach: a runner
+    ended mid-case must not leave its worker measuring beside whatever runs next."""
+    script = ("import subprocess\n"
+              "from benchmarks.run import _exit_on_sigterm, _watch\n"
+              "_exit_on_sigterm()\n"
+              "worker = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+              "print(worker.pid, flush=True)\n"
+              "_watch(worker, timeout_s=600)\n")
+    runner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker = int(runner.stdout.readline())
+    time.sleep(1.0)  # the runner is inside `_watch` by then
+    runner.terminate()
+    assert runner.wait(timeout=30) == 128 + 15
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
