@@ -91,7 +91,7 @@ class Case:
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "recompute": "recompute-{}",
               "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}",
               "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}",
-              "gpu_update_blocks": "gpuadam-{}", "moment_precision": "{}-moments"}
+              "gpu_update_blocks": "gpuadam-{}", "moment_precision": "{}-moments", "master_bits": "master{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -347,9 +347,11 @@ SUITES: dict[str, list[Case]] = {
     # 8x1024, where the backward waits for free gradient buffers: the default 3 against 6, at 3B and 8B
     "grad_buffers": [make("slide", model, 8, slide_settings=settings) for model in ("llama3_3b", "llama3_8b")
                      for settings in ((), (("block_grad_buffers", 6),))],
-    # 8-bit Adam moments, updated on the GPU, against the fp32 CPU-AdamW bound of the probe, beside fp32 moments
+    # 8-bit Adam moments, updated on the GPU, against the fp32 CPU-AdamW bound of the probe, beside fp32 moments,
+    # and with 24-bit masters (`master_bits`)
     "compact_moments": [_probe()] + [make("slide", "llama3_8b", 8, slide_settings=settings)
-                                     for settings in ((), (("moment_precision", "int8"),))],
+                                     for settings in ((), (("moment_precision", "int8"),),
+                                                      (("moment_precision", "int8"), ("master_bits", 24)))],
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])

@@ -7,7 +7,8 @@
 int8) for `--steps` optimizer steps, validating every `--val-every`, then fine-tunes: each precision
 continues the fp32 run's final weights and Adam state (converted to its own precision on load, as a
 checkpoint of an fp32 run loads into a compact run) on a different data mix for `--finetune-steps`.
-`--precisions` picks the compact ones (fp32 always runs, first); `--phases` one phase alone (a fine-tuning
+`--precisions` picks the compact ones (fp32 always runs, first; `int8-master24`: 8-bit moments and 24-bit
+masters, `master_bits`, which apply on a GPU); `--phases` one phase alone (a fine-tuning
 comparison still pretrains fp32 to continue from). Writes `compact-quality-<precisions>[-<phase>].json`
 (final train loss: the mean of the last 20 steps; final validation loss; the curves; step times) and a .png of
 the curves together. `update` times Layer-Adam over one unit
@@ -45,6 +46,9 @@ from lightning_slide.threads import Failure
 
 GiB = 2**30
 PRECISIONS = ("fp32", "bf16", "int8")
+#: what `quality` can run beside fp32: each compact precision, and 8-bit moments with 24-bit masters
+VARIANTS = {"fp32": {}, "bf16": {"moment_precision": "bf16"}, "int8": {"moment_precision": "int8"},
+            "int8-master24": {"moment_precision": "int8", "master_bits": 24}}
 #: The fine-tuning mix: standard-library modules that the built-in corpus does not hold.
 FINETUNE_MODULES = ("email.message", "http.client", "unittest.case", "asyncio.base_events", "tarfile", "zipfile",
                     "urllib.parse", "configparser", "datetime", "statistics", "fractions", "difflib")
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace, precision: str, data: TextDataModule, steps: i
     config = model_config(args.model, **_shape_overrides(args))
     module = CausalLMModule(build_model(config, meta=True), lr=lr, warmup_steps=warmup)
     curves = Curves()
-    trainer = pl.Trainer(strategy=SlideStrategy(moment_precision=precision), accelerator="auto", devices=1,
+    trainer = pl.Trainer(strategy=SlideStrategy(**VARIANTS[precision]), accelerator="auto", devices=1,
                          precision="bf16-mixed" if torch.cuda.is_available() else "32-true", max_steps=steps,
                          val_check_interval=min(args.val_every, steps), limit_val_batches=args.val_batches,
                          num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -299,7 +303,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="quality: this vocabulary, tied to the head, instead of the config's")
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS[1:], default=list(PRECISIONS[1:]),
+    parser.add_argument("--precisions", nargs="+", choices=list(VARIANTS)[1:], default=list(PRECISIONS[1:]),
                         help="quality: the compact precisions to run beside fp32 (one call of the GPU script "
                              "holds one at 500 steps)")
     parser.add_argument("--finetune-steps", type=int, default=100)

@@ -115,6 +115,8 @@ TARGETS = [
      _worst_exposed, 0.03, False, BOUNDARY_HINT),
     ("8-bit moments, 8B at 8k tok/step: step time / the fp32 CPU-Adam bound",
      _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu-int8-moments"), 0.7, False, None),
+    ("24-bit masters with 8-bit moments, 8B at 8k tok/step: step time / the fp32 CPU-Adam bound",
+     _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu-int8-moments-master24"), 0.7, False, None),
 ]
 
 

@@ -87,6 +87,14 @@ class SlideConfig:
         make the CPU's and the GPU's shares take equally long at the fused CPU AdamW and pinned-copy rates the run
         measures when it starts (`device_update.balanced_blocks`); 0: every fp32 update on the CPU. Compact
         moments are always updated on the GPU where there is one.
+    master_bits: how many bits of the fp32 master weights the units the GPU updates keep while they train. 32:
+        the fp32 master, exact (on the host as planes: the bf16 weights, the low 16 bits and a parity bit,
+        `master_halves`). 24 (opt-in, not exact): after each update the master is rounded stochastically to 24 bits
+        (bf16 and an 8-bit compensation: the low 8 bits cleared, the value rounded up with the probability they
+        gave), so an update moves 1 1/8 bytes of master over PCIe each way instead of 2 1/8, where the link binds
+        (compact moments at small steps). Applies where the GPU updates masters as planes (CUDA, bf16 compute,
+        moment_precision 'int8'/'bf16' or gpu_update_blocks > 0); units the CPU updates keep 32. Checkpoints hold
+        fp32 masters whose low 8 bits are zero; they resume exactly and load into a run of either setting.
     stall_timeout_s: seconds without any background worker (optimizer, copy, disk threads) starting or finishing
         an item, while training waits for them, after which fit stops with an error naming the stalled worker,
         its item and its stack (a hung disk or a deadlock ends the run instead of hanging it); None:
@@ -109,6 +117,7 @@ class SlideConfig:
     gds: Literal["auto", "on", "off"] = "auto"
     moment_precision: MomentPrecision = "fp32"
     gpu_update_blocks: int | Literal["auto"] = "auto"
+    master_bits: Literal[32, 24] = 32
     stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +140,7 @@ class SlideConfig:
             "moment_precision": self.moment_precision in ("fp32", "bf16", "int8"),
             "gpu_update_blocks": self.gpu_update_blocks == "auto" or (
                 type(self.gpu_update_blocks) is int and self.gpu_update_blocks >= 0),
+            "master_bits": type(self.master_bits) is int and self.master_bits in (32, 24),
             "stall_timeout_s": self.stall_timeout_s is None or (
                 isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
                 and self.stall_timeout_s > 0),
@@ -206,5 +216,6 @@ _HINTS = {
     "moment_precision": "Choose 'fp32' (exact AdamW), 'bf16' (stochastically rounded) or 'int8' (blockwise 8-bit).",
     "gpu_update_blocks": "Give a whole number of decoder blocks (0 or more) whose fp32 AdamW runs on the GPU, "
                          "or 'auto' (the split that balances the CPU's and the GPU's update time).",
+    "master_bits": "Give 32 (the fp32 master, exact) or 24 (bf16 and an 8-bit compensation, rounded stochastically).",
     "stall_timeout_s": "Give a positive number of seconds, or None to scale it from the longest item (at least 300 s).",
 }

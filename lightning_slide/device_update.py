@@ -38,7 +38,7 @@ import torch
 
 from lightning_slide import master_halves
 from lightning_slide.layer_adam import StepPlan, adam_pieces, groups_of
-from lightning_slide.master_halves import MasterHalves, parity_bytes
+from lightning_slide.master_halves import LOW_DTYPES, MasterHalves, parity_bytes
 from lightning_slide.moment_codec import (
     BLOCK,
     NOISE_PERIOD,
@@ -59,7 +59,6 @@ COMPACT_SETS = 4  # ... and for compact moments, where the link binds: four chun
 COMPACT_PRIORITY = -1  # their streams' kernels run ahead of the backward's queued on the compute stream
 ANY_POSITION = 1 << 62  # a period no position reaches: the chunk's noise is already laid out
 FP32_MOMENT_BYTES = 8  # each way, per element of an fp32 update on the GPU: both moments
-MASTER_BYTES = {False: 4.0, True: 2.125}  # ... and its master: fp32, or as planes (low half and parity)
 CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
 PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU cache
 PROBE_COPIES = 4  # copies each way, to outlast the probe's CPU AdamW
@@ -101,15 +100,21 @@ def gpu_updates_on(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def fp32_link_bytes(halves: bool) -> float:
+def master_link_bytes(halves: bool, master_bits: int = 32) -> float:
+    """Bytes per element of a master an update on the GPU moves each way: fp32, or as planes (`master_halves`: the
+    low part, 2 bytes or 1 with `master_bits` 24, and the parity bit; a resident unit's weights stay in its slot)."""
+    return LOW_DTYPES[master_bits].itemsize + 1 / 8 if halves else 4.0
+
+
+def fp32_link_bytes(halves: bool, master_bits: int = 32) -> float:
     """PCIe bytes per element of an fp32 update on the GPU, up and back: both moments and the master (`halves`: as
     planes, `master_halves`)."""
-    return 2 * (FP32_MOMENT_BYTES + MASTER_BYTES[halves])
+    return 2 * (FP32_MOMENT_BYTES + master_link_bytes(halves, master_bits))
 
 
 def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], dedicated: Sequence[bool],
                       on_disk: Collection[int], trainable: Sequence[int], device: torch.device,
-                      halves: bool = False) -> list[int]:
+                      halves: bool = False, master_bits: int = 32) -> list[int]:
     """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
     moments are in RAM; with fp32 ones `gpu_update_blocks` of the decoder blocks in RAM, spread evenly over them
     ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates` for updates that move the
@@ -126,7 +131,7 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
         if rates is None:
             return []
         kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
-        link = fp32_link_bytes(halves)
+        link = fp32_link_bytes(halves, master_bits)
         gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates, link)
         if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates, link):
             lead = [0]  # besides the balanced blocks: the CPU keeps its share of those
@@ -240,13 +245,13 @@ class _Buffers:
     rounding noise and what gathers it (each element's piece start and offset in it, and the table index)."""
 
     def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int,
-                 code_kernels: bool, halves: bool) -> None:
+                 code_kernels: bool, halves: bool, master_bits: int = 32) -> None:
         int8_ops = codecs[0].precision == "int8" and not code_kernels  # the codec's torch ops
         rounding_ops = codecs[0].precision != "fp32" and not code_kernels  # ... and the noise they round with
         self.master = torch.empty(n, device=device)
         planes = n if halves else 0
         self.weights = torch.empty(planes, dtype=torch.bfloat16, device=device)
-        self.low = torch.empty(planes, dtype=torch.int16, device=device)
+        self.low = torch.empty(planes, dtype=LOW_DTYPES[master_bits], device=device)
         self.parity = torch.empty(parity_bytes(planes), dtype=torch.uint8, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
         self.scales = [torch.empty(-(-n // BLOCK), device=device) if codecs[0].precision == "int8" else None
@@ -264,12 +269,12 @@ class _Buffers:
         self.index = torch.empty_like(e)
 
     @staticmethod
-    def bytes_for(n: int, precision: str, code_kernels: bool, halves: bool) -> int:
+    def bytes_for(n: int, precision: str, code_kernels: bool, halves: bool, master_bits: int = 32) -> int:
         stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
         work = 2 * 4 * n if precision == "int8" and not code_kernels else 0
         noise = (2 + 3) * 4 * n if precision != "fp32" and not code_kernels else 0
-        planes = 2 * n + 2 * n + parity_bytes(n) if halves else 0
+        planes = 2 * n + LOW_DTYPES[master_bits].itemsize * n + parity_bytes(n) if halves else 0
         return 4 * n + planes + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
@@ -277,10 +282,11 @@ class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
-                 piece: int, code_kernels: bool | None = None, halves: bool = False) -> None:
+                 piece: int, code_kernels: bool | None = None, halves: bool = False, master_bits: int = 32) -> None:
         """`code_kernels`: compact moments decoded and encoded by `ops.moment_codes`, and masters split and joined
         by `ops.master_halves` (None: wherever those run), or by torch ops (a pass over the chunk per op).
-        `halves`: the units' masters train as planes (`master_halves`), with room for them in each buffer set."""
+        `halves`: the units' masters train as planes (`master_halves`), with room for them in each buffer set;
+        `master_bits` of them kept (32, or 24: the low plane of a byte, rounded stochastically)."""
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece, halves)
         compact = codecs[0].precision != "fp32"
@@ -291,7 +297,8 @@ class DeviceUpdater:
                        if (code_kernels_on(device) if code_kernels is None else code_kernels) else master_halves)
         self.lanes = [Lane(device, side=True, priority=COMPACT_PRIORITY if compact else 0)
                       for _ in range(buffer_sets(codecs[0].precision))]
-        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels, halves) for _ in self.lanes]
+        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels, halves, master_bits)
+                     for _ in self.lanes]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
@@ -301,11 +308,12 @@ class DeviceUpdater:
 
     @staticmethod
     def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool,
-                  halves: bool = False) -> int:
+                  halves: bool = False, master_bits: int = 32) -> int:
         """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
         says)."""
         table = table_bytes(precision)  # the host table, copied up whole
-        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece, halves), precision, code_kernels, halves)
+        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece, halves), precision, code_kernels, halves,
+                                 master_bits)
         return buffer_sets(precision) * one + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:
@@ -382,7 +390,8 @@ class DeviceUpdater:
                   for s, m in zip(room.scales, moments)]
         state = sum(m.values.numel() * m.values.element_size() + (
             0 if m.scales is None else m.scales.numel() * 4) for m in moments)
-        state += 4 * n if halves is None else 2 * n + parity_bytes(n) + (0 if weights is not None else 2 * n)
+        state += 4 * n if halves is None else (
+            halves.low_dtype.itemsize * n + parity_bytes(n) + (0 if weights is not None else 2 * n))
         self.bytes_up, self.bytes_down = self.bytes_up + state, self.bytes_down + state
         if grad.device != self.device:
             self.bytes_up += n * grad.element_size()
@@ -401,7 +410,7 @@ class DeviceUpdater:
                               bounds, hyper, flags, None, step, grad_scale, None)
         if self.code_kernels:
             self._encode(moments_in, values, scales, plan.step, storage.index, start)
-        self._master_back(room, gm, master, halves, start, weights)
+        self._master_back(room, gm, master, halves, start, weights, plan.step)
         for m, v, s in zip(moments, values, scales):
             m.values.copy_(v, non_blocking=True)
             if s is not None:
@@ -427,9 +436,10 @@ class DeviceUpdater:
                                 room.master[:n])
 
     def _master_back(self, room: _Buffers, gm: torch.Tensor, master: torch.Tensor, halves: MasterHalves | None,
-                     start: int, weights: torch.Tensor | None) -> None:
-        """The updated master to the host, whole or as planes, and its weights into the slot (as a load casts them:
-        rounded to nearest-even); without a slot, a unit's weights plane takes them."""
+                     start: int, weights: torch.Tensor | None, step: int) -> None:
+        """The updated master to the host, whole or as planes (24 bits of it rounded with the noise of `step`), and
+        its weights into the slot (as a load casts them: rounded to nearest-even); without a slot, a unit's weights
+        plane takes them."""
         n = gm.numel()
         if halves is None:
             master.copy_(gm, non_blocking=True)
@@ -437,7 +447,8 @@ class DeviceUpdater:
                 weights.copy_(gm)
             return
         parity = room.parity[: parity_bytes(n)]
-        self.planes.split(gm, room.weights[:n] if weights is None else weights, room.low[:n], parity)
+        self.planes.split(gm, room.weights[:n] if weights is None else weights, room.low[:n], parity,
+                          master_halves.seed(step, halves.unit), start)
         for at, host_weights, host_low in halves.pieces(start, start + n):
             piece = slice(at - start, at - start + host_low.numel())
             host_low.copy_(room.low[piece], non_blocking=True)
@@ -445,10 +456,11 @@ class DeviceUpdater:
                 host_weights.copy_(room.weights[piece], non_blocking=True)
         halves.parity[start // 8 : start // 8 + parity_bytes(n)].copy_(parity, non_blocking=True)
 
-    def convert(self, units: Sequence[MasterHalves], planes: bool) -> None:
-        """Turn the fp32 masters of `units` into planes (`planes`), or the planes into fp32 masters, chunk by chunk
-        in place: a chunk goes up, is split or joined, and comes back into its own bytes (on the link, both ways
-        at once; on the host, no pass at all). Returns once all are back."""
+    def convert(self, units: Sequence[MasterHalves], planes: bool, step: int = 0) -> None:
+        """Turn the fp32 masters of `units` into planes (`planes`; 24 bits of them rounded with the noise of `step`),
+        or the planes into fp32 masters, chunk by chunk in place: a chunk goes up, is split or joined, and comes back
+        into its own bytes (on the link, both ways at once; on the host, no pass at all). Returns once all are
+        back."""
         k = 0
         for halves in (h for h in units if h.planes != planes):
             for a, b in halves.chunks():
@@ -456,19 +468,19 @@ class DeviceUpdater:
                 k += 1
                 with lane():
                     lane.wait(halves.written_back)
-                    self._convert_chunk(room, halves, a, b, planes)
+                    self._convert_chunk(room, halves, a, b, planes, step)
             halves.planes = planes
         for lane in self.lanes:
             host_wait(lane.record())
 
-    def _convert_chunk(self, room: _Buffers, halves: MasterHalves, a: int, b: int, planes: bool) -> None:
+    def _convert_chunk(self, room: _Buffers, halves: MasterHalves, a: int, b: int, planes: bool, step: int) -> None:
         """One chunk of `convert`, on the current lane."""
         n, bytes_ = b - a, slice(a // 8, a // 8 + parity_bytes(b - a))
         ((_, host_weights, host_low),) = halves.pieces(a, b)
         master, weights, low, parity = room.master[:n], room.weights[:n], room.low[:n], room.parity[: parity_bytes(n)]
         if planes:
             master.copy_(halves.master[a:b], non_blocking=True)
-            self.planes.split(master, weights, low, parity)
+            self.planes.split(master, weights, low, parity, master_halves.seed(step, halves.unit), a)
             host_weights.copy_(weights, non_blocking=True)
             host_low.copy_(low, non_blocking=True)
             halves.parity[bytes_].copy_(parity, non_blocking=True)

@@ -142,20 +142,23 @@ class SlideEngine:
         there is one (`device_update`); computing in bf16, their masters turn into planes while they train
         (`master_halves`, from the first forward on: `enter`)."""
         on, config = gpu_updates_on(self.device), self.config
-        if self.optimizer is None or on is None:
+        if self.optimizer is None:
             return None
         trainable = [s.trainable_numel for s in self.storages]
         halves = master_halves.applies(self.dtype, self._chunk_elems(), max(trainable))
-        units = gpu_updated_units(config.moment_precision, config.gpu_update_blocks, self._dedicated,
-                                  self.moments.on_disk, trainable, on, halves)
+        units = [] if on is None else gpu_updated_units(config.moment_precision, config.gpu_update_blocks,
+                                                        self._dedicated, self.moments.on_disk, trainable, on, halves,
+                                                        config.master_bits)
+        master_halves.require_planes(config.master_bits, bool(units) and halves)
         if not units:
             return None
         largest = max(self.storages[u].trainable_numel for u in units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
-                                LayerAdam.widen_elems(largest, config.moment_precision), halves=halves)
+                                LayerAdam.widen_elems(largest, config.moment_precision), halves=halves,
+                                master_bits=config.master_bits)
         updater.serve(self.storages, units)
         for u in units if halves else ():
-            self.storages[u].add_halves(updater.chunk)
+            self.storages[u].add_halves(updater.chunk, config.master_bits)
         return updater
 
     def _chunk_elems(self) -> int:
@@ -516,7 +519,9 @@ class SlideEngine:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.adam.on_device.convert(self._halves, planes=True)
+        self.adam.on_device.convert(self._halves, planes=True, step=self._step)
+        if self.config.master_bits != 32:  # the masters were rounded: the slots load their weights planes again
+            self.window.reset()
         self.planes_s += time.perf_counter() - start
 
     def _planes_to_masters(self) -> None:

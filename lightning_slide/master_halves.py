@@ -15,8 +15,14 @@ module's parameters are views of the fp32 master, so the planes live only while 
 chunk into planes at a step's start and back when the state is read (the engine's `synchronize`), in place, at the
 link's speed (`DeviceUpdater.convert`).
 
+With `master_bits=24` (opt-in, not exact) the low plane keeps only the next 8 bits: the split rounds the master
+stochastically to 24 bits (bf16 and an 8-bit compensation; the low 8 bits cleared, the value rounded up with the
+probability they gave), which moves 1 1/8 bytes of master each way instead of 2 1/8. The rounding noise is a hash
+of the element's index in its unit, the step and the unit (`noise_bytes`), so a rerun and a resume round alike.
+
 `split` and `join` are the definition, in torch ops on any device; `ops.master_halves` is the same in one Triton
-pass each, bit for bit. A NaN master joins as a NaN (its payload may change); every other value comes back exact.
+pass each, bit for bit. A NaN master joins as a NaN (its payload may change); every other value comes back exact
+(with 24 bits: as rounded).
 """
 
 from __future__ import annotations
@@ -47,13 +53,51 @@ def parity_bytes(n: int) -> int:
     return -(-n // 8)
 
 
-def split(master: torch.Tensor, weights: torch.Tensor, low: torch.Tensor, parity: torch.Tensor) -> None:
+LOW_DTYPES = {32: torch.int16, 24: torch.int8}  # the low plane's element, by the master's bits kept
+_M32 = 0xFFFFFFFF
+
+
+def require_planes(master_bits: int, planes: bool) -> None:
+    """Fewer than 32 bits of master apply to the masters the GPU updates as planes (`planes`: the run has some)."""
+    if master_bits != 32 and not planes:
+        raise ValueError(
+            f"SlideConfig.master_bits={master_bits} keeps that many bits of the masters the GPU updates as planes: a "
+            "CUDA run computing in bf16 (precision='bf16-mixed' or 'bf16-true') whose updates run on the GPU "
+            "(moment_precision 'int8' or 'bf16', or gpu_update_blocks above 0), with chunk_elems a multiple of 8. "
+            "This run updates no master that way: set master_bits=32.")
+
+
+def seed(step: int, unit: int) -> int:
+    """The rounding noise's seed for `unit`'s split at `step` (`noise_bytes`)."""
+    return (step * 0x9E3779B1 + unit * 0x85EBCA77 + 0x165667B1) & _M32
+
+
+def noise_bytes(first: int, n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """8 random bits (int32, 0..255) for elements first .. first + n - 1 of a unit: the top byte of a 32-bit integer
+    hash (lowbias32) of the element's index mixed with `seed`, in int64 arithmetic kept to 32 bits, as the Triton
+    split computes it."""
+    x = (torch.arange(first, first + n, dtype=torch.int64, device=device) * 0x9E3779B9 + seed) & _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return (x >> 24).to(torch.int32)
+
+
+def split(master: torch.Tensor, weights: torch.Tensor, low: torch.Tensor, parity: torch.Tensor, seed: int = 0,
+          first: int = 0) -> None:
     """The planes of the fp32 `master` (n elements, the first at bit 0 of `parity`'s first byte): `weights` (bf16,
     rounded to nearest-even as torch casts), `low` (int16: the low 16 bits), `parity` (uint8, `parity_bytes(n)`:
-    the high halves' parities; a last partial byte keeps its bits past n)."""
+    the high halves' parities; a last partial byte keeps its bits past n). An int8 `low` keeps bits 8-15 of the
+    master rounded stochastically to 24 bits (`noise_bytes(first, n, seed)` added below bit 8, those bits then
+    cleared), which the weights and parities are then taken from."""
     n = master.numel()
+    if low.dtype == torch.int8:
+        bits = master.view(torch.int32) + noise_bytes(first, n, seed, master.device)
+        master = bits.bitwise_and_(-256).view(torch.float32)  # a carry rounds the magnitude up; NaN, inf stay
     weights.copy_(master)
-    low.copy_(master.view(torch.int32))  # int32 -> int16 keeps the low 16 bits
+    low.copy_(master.view(torch.int32) >> (8 if low.dtype == torch.int8 else 0))  # the cast keeps the low bits
     whole = n // 8 * 8
     if whole:  # bit 16 of an element is bit 0 of its third byte
         bits = master[:whole].view(torch.uint8).view(-1, 4)[:, 2] & 1
@@ -72,7 +116,8 @@ def join(weights: torch.Tensor, low: torch.Tensor, parity: torch.Tensor, out: to
     odd = (spread.view(torch.uint8)[:n] != 0).to(torch.int32)
     w = weights.view(torch.int16).to(torch.int32) & 0xFFFF
     high = w - ((w ^ odd) & 1)  # the rounded weight, or one less: whichever has the high half's parity
-    out.view(torch.int32).copy_((high << 16) | (low.to(torch.int32) & 0xFFFF))
+    below = (low.to(torch.int32) & 0xFF) << 8 if low.dtype == torch.int8 else low.to(torch.int32) & 0xFFFF
+    out.view(torch.int32).copy_((high << 16) | below)
     return out
 
 
@@ -87,9 +132,10 @@ class MasterHalves:
     before the slot takes another unit.
     """
 
-    def __init__(self, master: torch.Tensor, chunk: int) -> None:
-        self.master, self.chunk = master, -(-chunk // 8) * 8
-        self._halves = master.view(torch.int16)
+    def __init__(self, master: torch.Tensor, chunk: int, unit: int = 0, bits: int = 32) -> None:
+        self.master, self.chunk, self.unit = master, -(-chunk // 8) * 8, unit
+        self.low_dtype = LOW_DTYPES[bits]
+        self._bytes = master.view(torch.uint8)
         self.parity = host_zeros(parity_bytes(master.numel()), torch.uint8)
         self.pinned = pin_(self.parity)
         self.planes = self.stale = False
@@ -102,14 +148,16 @@ class MasterHalves:
 
     def pieces(self, a: int, b: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Elements [a, b) of the planes, a piece per chunk they cross: (its first element, its weights (bf16),
-        its low halves (int16))."""
-        n = self.master.numel()
+        its low halves (`low_dtype`))."""
+        n, size = self.master.numel(), self.low_dtype.itemsize
         while a < b:
             first = a - a % self.chunk
             m = min(first + self.chunk, n) - first
             end = min(b, first + m)
-            at = 2 * first + a - first  # the piece's weights in the chunk's first m halves, its low halves after
-            yield a, self._halves[at : at + end - a].view(torch.bfloat16), self._halves[at + m : at + m + end - a]
+            weights = 4 * first + 2 * (a - first)  # the chunk's bytes: m weights first, then its m low parts
+            low = 4 * first + 2 * m + size * (a - first)
+            yield (a, self._bytes[weights : weights + 2 * (end - a)].view(torch.bfloat16),
+                   self._bytes[low : low + size * (end - a)].view(self.low_dtype))
             a = end
 
     def release(self) -> None:

@@ -295,6 +295,8 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
     if precision != "int8":
         more_disk += ", or moment_precision='int8' (2 B/param instead of 8, bf16: 4)"
     served = _gpu_updated(shape, setup, disk)
+    if setup.training:
+        master_halves.require_planes(setup.config.master_bits, bool(served) and _halves(shape, setup))
     locked = sum(moment_bytes(precision, shape.units[u].trainable) for u in served)  # page-locked for the GPU
     all_locked = bool(served) and locked == in_ram
     entries = [
@@ -319,7 +321,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         entries.append(Entry(f"{precision} moments' update buffers ({buffer_sets(precision)} chunks)", "gpu",
                              DeviceUpdater.bytes_for(largest, piece, precision,
                                                      code_kernels_on(torch.device(setup.device)),
-                                                     _halves(shape, setup)),
+                                                     _halves(shape, setup), setup.config.master_bits),
                              "gpu_update_blocks=0" if precision == "fp32" else ""))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
@@ -360,7 +362,7 @@ def _gpu_updated(shape: ModelShape, setup: Setup, on_disk: list[int]) -> list[in
         return []
     return gpu_updated_units(setup.config.moment_precision, setup.config.gpu_update_blocks,
                              [u.dedicated for u in shape.units], on_disk, [u.trainable for u in shape.units], on,
-                             _halves(shape, setup))
+                             _halves(shape, setup), setup.config.master_bits)
 
 
 def _halves(shape: ModelShape, setup: Setup) -> bool:

@@ -111,10 +111,10 @@ class UnitStorage:
         self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         self.shadow.copy_(self.master)
 
-    def add_halves(self, chunk: int) -> None:
-        """Let the master turn into planes while it trains, in chunks of `chunk` elements (`master_halves`): a unit
-        in pinned RAM that the GPU updates, computing in bf16."""
-        self.halves = MasterHalves(self.master, chunk)
+    def add_halves(self, chunk: int, master_bits: int = 32) -> None:
+        """Let the master turn into planes while it trains, in chunks of `chunk` elements (`master_halves`, keeping
+        `master_bits` of it): a unit in pinned RAM that the GPU updates, computing in bf16."""
+        self.halves = MasterHalves(self.master, chunk, self.index, master_bits)
 
     def add_grad_accumulator(self, dtype: torch.dtype = torch.float32) -> None:
         """The gradients a step holds until its updates run: fp32 sums for accumulation windows (+4 B/param of

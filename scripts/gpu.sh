@@ -20,7 +20,7 @@
 #   bash scripts/gpu.sh compact  compact Adam moments against fp32: Llama-3.2-1B's shapes with 8 of its 16 blocks
 #                                       (LAYERS=16 for all of them; at 4x512 tokens the CPU update binds each step)
 #                                       on the built-in corpus, then fine-tuning, fp32 beside PRECISION=int8 (or
-#                                       bf16; one of them a call) (benchmarks/compact.py quality; STEPS=500,
+#                                       bf16, or int8-master24: 24-bit masters; one of them a call) (benchmarks/compact.py quality; STEPS=500,
 #                                       FINETUNE_STEPS=80, LAYERS=8; PHASES=pretrain, or PHASES=finetune with
 #                                       STEPS=200 for the fp32 run it continues, when both do not fit in a call)
 #                                                                                   -> results/compact/

@@ -48,8 +48,13 @@ def _kernels(dtype: str):
                          "PIECE": 1 << 16}),
         "encode_bf16": (codes._encode_bf16, ["*fp32", "*i16", "*i32", N, "i64"],
                         {"PERIOD": 1 << 20, "PIECE": 1 << 16, "BLOCK": codes.BF16_BLOCK}),
-        "split_master": (halves._split, ["*fp32", "*i16", "*i16", "*u8", N], {"BLOCK": halves.BLOCK}),
-        "join_master": (halves._join, ["*i16", "*i16", "*u8", "*fp32", N], {"BLOCK": halves.BLOCK}),
+        "split_master": (halves._split, ["*fp32", "*i16", "*i16", "*u8", N, "i32", "i32"],
+                         {"BLOCK": halves.BLOCK, "LOW_BITS": 16}),
+        "split_master_24_bits": (halves._split, ["*fp32", "*i16", "*i8", "*u8", N, "u32", "i32"],
+                                 {"BLOCK": halves.BLOCK, "LOW_BITS": 8}),
+        "join_master": (halves._join, ["*i16", "*i16", "*u8", "*fp32", N], {"BLOCK": halves.BLOCK, "LOW_BITS": 16}),
+        "join_master_24_bits": (halves._join, ["*i16", "*i8", "*u8", "*fp32", N],
+                                {"BLOCK": halves.BLOCK, "LOW_BITS": 8}),
     }
 
 

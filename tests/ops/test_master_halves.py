@@ -53,3 +53,44 @@ def test_the_kernels_split_and_join_as_the_torch_ops_do_keeping_a_partial_bytes_
     joined = kernels.join(*expected, torch.empty_like(master))
     assert torch.equal(joined.view(torch.int32), reference.join(*expected, torch.empty_like(master)).view(torch.int32))
 
+
+
+def _planes_24(n: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.int8, device=device),
+            torch.full((reference.parity_bytes(n),), 0xA5, dtype=torch.uint8, device=device))
+
+
+@pytest.mark.parametrize("n", [4096 * 2 + 13, 5], ids=["partial", "short"])
+def test_24_bit_planes_join_to_the_master_rounded_down_or_up_at_bit_8_and_hold_its_bf16(n, device):
+    master = _masters(n, device)
+    weights, low, parity = _planes_24(n, device)
+    reference.split(master, weights, low, parity, seed=12345, first=77)
+    joined = reference.join(weights, low, parity, torch.empty_like(master))
+    finite = torch.isfinite(master)
+    step = joined.view(torch.int32)[finite].long() - (master.view(torch.int32)[finite] & -256).long()
+    assert set(step.unique().tolist()) <= {0, 256} and (joined.view(torch.int32)[finite] & 0xFF == 0).all()
+    assert torch.equal(weights.view(torch.int16), joined.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(joined[torch.isinf(master)], master[torch.isinf(master)])
+
+
+def test_24_bit_rounding_is_unbiased_over_the_elements_of_a_unit():
+    """Each element draws its own noise (its index in the unit, the step and the unit hashed): over 65,536 copies
+    of one value whose low byte is 0x40, a quarter round up."""
+    bits = torch.full((1 << 16,), 0x3F812340, dtype=torch.int32)
+    weights, low, parity = _planes_24(bits.numel(), "cpu")
+    reference.split(bits.view(torch.float32), weights, low, parity, seed=reference.seed(3, 5), first=1 << 20)
+    up = (reference.join(weights, low, parity, torch.empty(bits.numel())).view(torch.int32) != 0x3F812300)
+    assert abs(up.float().mean().item() - 0.25) < 0.01
+
+
+@pytest.mark.parametrize("n", [4096 * 3, 4096 * 2 + 13, 5], ids=["whole-blocks", "partial", "short"])
+def test_the_kernels_split_and_join_24_bit_planes_as_the_torch_ops_do(n, device):
+    master = _masters(n, device)
+    expected, actual = _planes_24(n, device), _planes_24(n, device)
+    reference.split(master, *expected, seed=987654321, first=4096)
+    kernels.split(master, *actual, seed=987654321, first=4096)
+    finite = ~torch.isnan(master)
+    assert torch.equal(actual[0].view(torch.int16)[finite], expected[0].view(torch.int16)[finite])
+    assert torch.equal(actual[1][finite], expected[1][finite]) and torch.equal(actual[2], expected[2])
+    joined = kernels.join(*expected, torch.empty_like(master))
+    assert torch.equal(joined.view(torch.int32), reference.join(*expected, torch.empty_like(master)).view(torch.int32))

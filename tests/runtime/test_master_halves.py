@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 import lightning_slide.device_update as device_update
 import lightning_slide.engine as engine_module
+import lightning_slide.planner as planner
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode, master_halves
 from lightning_slide.planner import ModelShape, Plan, Setup
 from tests.runtime.helpers import CausalLM, param_groups, tiny_model, token_batches, trainer
@@ -21,19 +22,20 @@ MODE_IDS = ["eager", "clipped", "accumulated", "accumulated-clipped"]
 
 
 def _engine(on_device: bool, precision: str, mode: StepMode, monkeypatch, slots: int | str = 2,
-            arch: str = "qwen2-tied") -> tuple[SlideEngine, torch.nn.Module]:
+            arch: str = "qwen2-tied", master_bits: int = 32) -> tuple[SlideEngine, torch.nn.Module]:
     monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device if on_device else None)
     model = tiny_model(arch)
     config = SlideConfig(moment_precision=precision, slots=slots, gpu_update_blocks=2 if precision == "fp32" else 0,
-                         chunk_elems=1024)
+                         chunk_elems=1024, master_bits=master_bits)
     engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config, torch.device("cpu"),
                          torch.bfloat16, mode)
     return engine, model
 
 
-def _steps(engine: SlideEngine, model: torch.nn.Module, steps: int, accumulate: int = 1) -> None:
+def _steps(engine: SlideEngine, model: torch.nn.Module, steps: int, accumulate: int = 1,
+           batches: list[torch.Tensor] | None = None) -> None:
     """bf16-mixed steps through the engine's protocol, with no synchronize between them (as in a fit)."""
-    batches = token_batches(steps * accumulate)
+    batches = token_batches(steps * accumulate) if batches is None else batches
     for i in range(0, len(batches), accumulate):
         for k, x in enumerate(batches[i : i + accumulate]):
             engine.new_micro_batch()
@@ -303,3 +305,84 @@ def test_a_callback_reading_the_modules_state_dict_mid_fit_gets_the_fp32_masters
         seen.append(callback.states)
     assert len(seen[1]) == 3
     assert all(torch.equal(a[k], b[k]) for a, b in zip(*seen) for k in a)
+
+
+def _round_to_24_bits(engine: SlideEngine, step: int, whole: bool) -> None:
+    """What `master_bits=24` does to the masters the GPU updates, done here to whole fp32 masters: each rounded
+    stochastically to 24 bits with the noise of `step` (whole masters at the first forward, else the range the
+    update covered); the slots then load the rounded weights."""
+    engine.drain()
+    for s in engine.storages:
+        n = s.numel if whole else s.trainable_numel
+        bits = s.master[:n].view(torch.int32)
+        bits.add_(master_halves.noise_bytes(0, n, master_halves.seed(step, s.index), bits.device)).bitwise_and_(-256)
+    engine.window.reset()
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-ops", "kernels"])
+def test_24_bit_masters_train_as_whole_masters_rounded_stochastically_after_each_update(kernels, monkeypatch):
+    """The 24-bit run's updater against the CPU pool's whole fp32 masters, rounded by hand after each step with the
+    same noise: bit for bit, with slots given up and loaded again, a tied embedding and several chunks a unit."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    if kernels:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.setattr(device_update, "code_kernels_on", lambda device: False)
+    reference, reference_model = _engine(False, "int8", StepMode(), monkeypatch)
+    planes, model = _engine(True, "int8", StepMode(), monkeypatch, master_bits=24)
+    batches = token_batches(3)
+    _round_to_24_bits(reference, 0, whole=True)
+    for step, x in enumerate(batches, start=1):
+        _steps(reference, reference_model, 1, batches=[x])
+        _round_to_24_bits(reference, step, whole=False)
+        _steps(planes, model, 1, batches=[x])
+    for engine in (reference, planes):
+        engine.synchronize()
+    assert all((s.master.view(torch.int32) & 0xFF == 0).all() for s in planes.storages)
+    _assert_same_state(reference, planes)
+    reference.close(), planes.close()
+
+
+def test_a_24_bit_masters_update_moves_one_byte_of_low_part_instead_of_two(monkeypatch):
+    runs = [_engine(True, "int8", StepMode(), monkeypatch, slots=8, master_bits=bits) for bits in (32, 24)]
+    for engine, model in runs:
+        _steps(engine, model, 2)
+        engine.drain()
+    moved = [e.adam.on_device.bytes_up + e.adam.on_device.bytes_down for e, _ in runs]
+    assert moved[0] - moved[1] == 2 * 2 * sum(s.trainable_numel for s in runs[0][0].storages)  # 2 steps, 2 ways
+    for engine, _ in runs:
+        engine.close()
+
+
+def test_24_bit_masters_are_refused_where_no_master_trains_as_planes(monkeypatch):
+    with pytest.raises(ValueError, match="master_bits=24.*set master_bits=32"):
+        _engine(False, "int8", StepMode(), monkeypatch, master_bits=24)  # no GPU updates: the CPU pool
+    from transformers import LlamaConfig
+
+    from tests.runtime.test_planner import LLAMA_8B
+
+    shape = ModelShape.from_config(LlamaConfig(**LLAMA_8B))
+    with pytest.raises(ValueError, match="master_bits=24"):  # fp32 compute: no planes (before any allocation)
+        Plan.static(shape, Setup(SlideConfig(moment_precision="int8", master_bits=24), device="cuda",
+                                 dtype=torch.float32))
+
+
+def test_a_run_with_24_bit_masters_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """The checkpoint holds the rounded masters (their low 8 bits zero), which the resumed run's planes keep as
+    they are; the noise of each later update is the uninterrupted run's (the step's and the unit's)."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    monkeypatch.setattr(planner, "gpu_updates_on", lambda device: device)  # its check agrees with the engine
+    model, batches = tiny_model("qwen2-tied"), token_batches(4)
+
+    def run(module: CausalLM, steps: int, root, ckpt_path=None, callbacks=()) -> None:
+        trainer(SlideStrategy(moment_precision="int8", slots=2, master_bits=24), steps, precision="bf16-mixed",
+                default_root_dir=root, enable_checkpointing=bool(callbacks), callbacks=list(callbacks)).fit(
+            module, DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+
+    straight = CausalLM(copy.deepcopy(model))
+    run(straight, 6, tmp_path, callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)])
+    saved = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=False)["state_dict"]
+    assert all((v.float().view(torch.int32) & 0xFF == 0).all() for v in saved.values() if v.is_floating_point())
+    resumed = CausalLM(tiny_model("qwen2-tied", seed=123))
+    run(resumed, 6, tmp_path / "resumed", ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))
+    assert all(torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters()))
