@@ -125,8 +125,9 @@ class MasterHalves:
     """The planes of one unit's fp32 `master` buffer (pinned host memory), and where its newest weights are.
 
     The buffer is cut into chunks of `chunk` elements (a multiple of 8: whole parity bytes); a chunk's planes take
-    its own bytes, its weights first, then its low halves, so that one chunk turns into planes and back without
-    touching another's (`DeviceUpdater.convert`). `planes`: the buffer holds the planes (else the fp32 master, which
+    its own bytes, its weights first, then its low parts (`low_dtype`: int16, or int8 keeping 24 bits; `unit`: the
+    unit's index, which seeds their rounding), so that one chunk turns into planes and back without touching
+    another's (`DeviceUpdater.convert`). `planes`: the buffer holds the planes (else the fp32 master, which
     the parameters view). `stale`: the weights plane is older than the unit's GPU slot, which an update on the GPU
     wrote instead; the window writes the slot back (`written_back`: the event after which the plane holds it)
     before the slot takes another unit.
