@@ -448,7 +448,7 @@ class DeviceUpdater:
             return
         parity = room.parity[: parity_bytes(n)]
         self.planes.split(gm, room.weights[:n] if weights is None else weights, room.low[:n], parity,
-                          master_halves.seed(step, halves.unit), start)
+                          halves.seed(step), start)
         for at, host_weights, host_low in halves.pieces(start, start + n):
             piece = slice(at - start, at - start + host_low.numel())
             host_low.copy_(room.low[piece], non_blocking=True)
@@ -480,7 +480,7 @@ class DeviceUpdater:
         master, weights, low, parity = room.master[:n], room.weights[:n], room.low[:n], room.parity[: parity_bytes(n)]
         if planes:
             master.copy_(halves.master[a:b], non_blocking=True)
-            self.planes.split(master, weights, low, parity, master_halves.seed(step, halves.unit), a)
+            self.planes.split(master, weights, low, parity, halves.seed(step), a)
             host_weights.copy_(weights, non_blocking=True)
             host_low.copy_(low, non_blocking=True)
             halves.parity[bytes_].copy_(parity, non_blocking=True)

@@ -196,6 +196,7 @@ class SlideEngine:
         self._step_tensors: list[torch.Tensor] = []
         self.wait_drain_s = 0.0
         self.planes_s = 0.0  # the training thread's time turning masters into planes and back (`master_halves`)
+        self._masters_rounded = False  # master_bits=24 has rounded the masters the slots were loaded from
 
     @property
     def wait_grads_s(self) -> float:
@@ -520,8 +521,9 @@ class SlideEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.adam.on_device.convert(self._halves, planes=True, step=self._step)
-        if self.config.master_bits != 32:  # the masters were rounded: the slots load their weights planes again
-            self.window.reset()
+        if self.config.master_bits != 32 and not self._masters_rounded:
+            self.window.reset()  # slots loaded from the unrounded masters load their weights planes again
+            self._masters_rounded = True  # later conversions split rounded masters: nothing changes
         self.planes_s += time.perf_counter() - start
 
     def _planes_to_masters(self) -> None:
@@ -541,6 +543,7 @@ class SlideEngine:
             if s.shadow is not None:
                 s.shadow.copy_(s.master)
         self.window.reset()
+        self._masters_rounded = False  # the new masters are rounded at their conversion
 
     def load_optimizer_state(self, state_dict: dict) -> None:
         """Load a torch Adam state_dict into the flat state (keeps torch's own id/group mapping). Its moments may

@@ -142,6 +142,10 @@ class MasterHalves:
         self.planes = self.stale = False
         self.written_back: object = None
 
+    def seed(self, step: int) -> int:
+        """The rounding noise's seed of this unit's splits at `step` (`noise_bytes`)."""
+        return seed(step, self.unit)
+
     def chunks(self) -> list[tuple[int, int]]:
         """(start, end) of each chunk."""
         n = self.master.numel()
