@@ -85,7 +85,9 @@ class SlideConfig:
         never leaves the GPU, and the new weights go straight into the block's slot. This takes CPU update work
         (and about 36 bytes/param of host-memory traffic) off steps that the CPU update bounds. "auto": as many as
         make the CPU's and the GPU's shares take equally long at the fused CPU AdamW and pinned-copy rates the run
-        measures when it starts (`device_update.balanced_blocks`); 0: every fp32 update on the CPU. Compact
+        measures when it starts (`device_update.balanced_blocks`), then, at the first training micro-batch, only
+        as many of those as the step's compute does not hide anyway (at a bf16 matmul rate it also measures:
+        large steps keep the link for loads); 0: every fp32 update on the CPU. Compact
         moments are always updated on the GPU where there is one.
     master_bits: how many bits of the fp32 master weights the units the GPU updates keep while they train. 32:
         the fp32 master, exact (on the host as planes: the bf16 weights, the low 16 bits and a parity bit,

@@ -16,8 +16,10 @@ With fp32 moments the same path can take some decoder blocks' updates (`gpu_upda
 the step: 24 bytes per parameter of PCIe (master and moments, up and back; about 20 with the master as planes)
 instead of the CPU update's host-memory traffic and compute. The CPU and the GPU then update at once, on threads
 of their own (`LayerAdam`), and "auto" splits the blocks between them so that both finish together
-(`balanced_blocks`) at the rates this machine shows when the run starts (`measured_rates`: a fused CPU AdamW and
-pinned copies both ways at once).
+(`balanced_blocks`) at the rates this machine shows when the run starts (`measured_rates`: a fused CPU AdamW,
+pinned copies both ways at once, and a bf16 matmul). At the first micro-batch the split is fitted to its size
+(`fitted_units`): updates that end within the compute they run beside cost nothing, so large steps give the GPU
+fewer blocks, or none, and keep the link for the loads the compute waits for.
 
 Computing in bf16, the units' masters are kept as planes while they train (`master_halves`): a chunk's low halves
 and parities go up, the unit's GPU slot (or, without one, its weights plane) gives the rest, and the same come back,
@@ -62,6 +64,7 @@ FP32_MOMENT_BYTES = 8  # each way, per element of an fp32 update on the GPU: bot
 CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its fp32 gradient down, a load up
 PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU cache
 PROBE_COPIES = 4  # copies each way, to outlast the probe's CPU AdamW
+PROBE_MATMUL = 8192  # the matmul probe's square size (bf16): 1.1 TFLOP a product, long past any launch cost
 
 
 @dataclass
@@ -120,7 +123,8 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
     ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates` for updates that move the
     master whole or, with `halves`, as planes; none where the rates cannot be measured). Spread, because the
     backward holds only a few gradients at a time: were the GPU's blocks the last the backward reaches, it would
-    reach them only after the CPU had taken the others' gradients, one by one."""
+    reach them only after the CPU had taken the others' gradients, one by one. "auto" is an upper bound that the
+    first micro-batch may lower (`fitted_units`)."""
     in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
     if precision != "fp32":
         return in_ram
@@ -135,8 +139,39 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
         gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates, link)
         if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates, link):
             lead = [0]  # besides the balanced blocks: the CPU keeps its share of those
-    k = min(gpu_update_blocks, len(blocks))
-    return lead + [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
+    return lead + spread(blocks, min(gpu_update_blocks, len(blocks)))
+
+
+def spread(blocks: Sequence[int], k: int) -> list[int]:
+    """`k` of `blocks`, evenly spaced over them."""
+    return [blocks[int((j + 0.5) * len(blocks) / k)] for j in range(k)]
+
+
+def fitted_units(units: Collection[int], dedicated: Sequence[bool], trainable: Sequence[int], device: torch.device,
+                 link_bytes: float, hidden_s: float) -> list[int]:
+    """Of the fp32 `units` "auto" gave the GPU `device`, those to keep once a step is known to hide `hidden_s`
+    seconds of updates behind its compute (`hidden_update_s`): the balanced blocks among them again
+    (`balanced_blocks` at `measured_rates`), now counting the updates that end by then as free, and the embedding
+    wherever it was given (it is about the step's boundary, not the CPU's share). The CPU takes the others, and
+    keeps the units outside `units`."""
+    rates = measured_rates(device)
+    if rates is None:
+        return sorted(units)
+    blocks = sorted(u for u in units if not dedicated[u])
+    kept = sum(trainable) - sum(trainable[u] for u in blocks)
+    k = balanced_blocks(kept, [trainable[u] for u in blocks], rates, link_bytes, hidden_s)
+    return sorted(u for u in units if dedicated[u]) + spread(blocks, k)
+
+
+def hidden_update_s(device: torch.device, block_params: int, tokens: int, deferred: bool) -> float:
+    """Seconds of compute on `device` that a step's updates run beside, for micro-batches of `tokens` through
+    blocks of `block_params` parameters in all: eager updates start as the last micro-batch's backward hands over
+    gradients and run beside the rest of it (4 flops per parameter and token, more where blocks are recomputed),
+    deferred ones (clipped steps) beside the next forward, which takes the units in the order they are updated
+    (2). At the probe's matmul rate (`measured_rates`), which the model's kernels do not reach: the estimate errs
+    short, towards the GPU's share. 0 where the rates cannot be measured."""
+    rates = measured_rates(device)
+    return 0.0 if rates is None else (2 if deferred else 4) * block_params * tokens / rates.gpu_flops_s
 
 
 def embedding_first(rates: UpdateRates, link_bytes: float = fp32_link_bytes(False)) -> bool:
@@ -153,26 +188,30 @@ def embedding_first(rates: UpdateRates, link_bytes: float = fp32_link_bytes(Fals
 @dataclass(frozen=True)
 class UpdateRates:
     """What fp32 updates cost on either side, each measured while the other ran: the CPU's fused AdamW
-    (elements/s) and pinned copies to and from the GPU at once (bytes/s, both directions together)."""
+    (elements/s) and pinned copies to and from the GPU at once (bytes/s, both directions together); and the GPU's
+    bf16 matmul rate (flops/s), which sets how long a step's compute hides updates (`hidden_update_s`)."""
 
     cpu_elems_s: float
     link_bytes_s: float
+    gpu_flops_s: float
 
 
 def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates,
-                    link_bytes: float = fp32_link_bytes(False)) -> int:
+                    link_bytes: float = fp32_link_bytes(False), hidden_s: float = 0.0) -> int:
     """How many of the decoder `blocks` (their trainable sizes) to update on the GPU so that a step's updates end
-    soonest, the CPU's and the link's running at once. Each direction of the link carries `link_bytes` / 2 per
-    element the GPU updates (master and moments, `fp32_link_bytes`) and `CPU_UNIT_LINK_BYTES` per element the CPU
-    updates (its fp32 gradient down, its new weights up on the next load); the CPU updates `kept` elements besides
-    the blocks it keeps. The GPU's kernels are not counted: a few memory-bound passes, far below either."""
+    soonest, the CPU's and the link's running at once: the fewest of those that end by `hidden_s`, the compute
+    they run beside (`hidden_update_s`), where the split does not matter and the GPU's copies would compete with
+    the loads. Each direction of the link carries `link_bytes` / 2 per element the GPU updates (master and moments,
+    `fp32_link_bytes`) and `CPU_UNIT_LINK_BYTES` per element the CPU updates (its fp32 gradient down, its new
+    weights up on the next load); the CPU updates `kept` elements besides the blocks it keeps. The GPU's kernels
+    are not counted: a few memory-bound passes, far below either."""
     direction = rates.link_bytes_s / 2
 
     def finish(k: int) -> float:
         gpu, cpu = sum(blocks[:k]), kept + sum(blocks[k:])
         link = (gpu * link_bytes / 2 + cpu * CPU_UNIT_LINK_BYTES) / direction
-        return max(cpu / rates.cpu_elems_s, link)
-    return min(range(len(blocks) + 1), key=finish)
+        return max(cpu / rates.cpu_elems_s, link, hidden_s)
+    return min(range(len(blocks) + 1), key=finish)  # the first of equals: the fewest blocks
 
 
 def measured_rates(device: torch.device) -> UpdateRates | None:
@@ -185,7 +224,8 @@ def measured_rates(device: torch.device) -> UpdateRates | None:
 @functools.cache
 def _probe_rates(device: torch.device) -> UpdateRates:
     """The best of three: `PROBE_COPIES` pinned copies of 4 x `PROBE_ELEMS` bytes each way, and, while they run, one
-    fused CPU AdamW over `PROBE_ELEMS` fp32 elements: in a step the two share the host's memory."""
+    fused CPU AdamW over `PROBE_ELEMS` fp32 elements: in a step the two share the host's memory. Then the best of
+    three bf16 matmuls of `PROBE_MATMUL` squared."""
     master, grad, exp_avg, exp_avg_sq = (torch.zeros(PROBE_ELEMS) for _ in range(4))
     step = torch.zeros(())
     host = host_empty(2 * 4 * PROBE_ELEMS, torch.uint8).view(2, -1)
@@ -210,8 +250,22 @@ def _probe_rates(device: torch.device) -> UpdateRates:
     if pinned:
         unpin_(host)
     del gpu
+    flops_s = _matmul_rate(device)
     torch.cuda.empty_cache()
-    return UpdateRates(PROBE_ELEMS / cpu_s, 2 * PROBE_COPIES * host[0].numel() / link_s)
+    return UpdateRates(PROBE_ELEMS / cpu_s, 2 * PROBE_COPIES * host[0].numel() / link_s, flops_s)
+
+
+def _matmul_rate(device: torch.device) -> float:
+    """Flops/s of the best of three bf16 matmuls of `PROBE_MATMUL` squared on `device` (after one to warm up)."""
+    a = torch.randn(PROBE_MATMUL, PROBE_MATMUL, device=device, dtype=torch.bfloat16)
+    out, best = torch.empty_like(a), float("inf")
+    for k in range(4):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, a, out=out)
+        torch.cuda.synchronize(device)
+        best = best if k == 0 else min(best, time.perf_counter() - start)
+    return 2 * PROBE_MATMUL**3 / best
 
 
 def code_kernels_on(device: torch.device) -> bool:

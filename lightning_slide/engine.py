@@ -32,7 +32,14 @@ from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
 from lightning_slide.available import available_vram
 from lightning_slide.config import SlideConfig
-from lightning_slide.device_update import DeviceUpdater, gpu_updated_units, gpu_updates_on
+from lightning_slide.device_update import (
+    DeviceUpdater,
+    fitted_units,
+    fp32_link_bytes,
+    gpu_updated_units,
+    gpu_updates_on,
+    hidden_update_s,
+)
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import GraphBudget
 from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
@@ -142,6 +149,7 @@ class SlideEngine:
         there is one (`device_update`); computing in bf16, their masters turn into planes while they train
         (`master_halves`, from the first forward on: `enter`)."""
         on, config = gpu_updates_on(self.device), self.config
+        self._unfitted_link: float | None = None  # an fp32 "auto" split's link bytes, until fitted to a micro-batch
         if self.optimizer is None:
             return None
         trainable = [s.trainable_numel for s in self.storages]
@@ -152,6 +160,8 @@ class SlideEngine:
         master_halves.require_planes(config.master_bits, bool(units) and halves)
         if not units:
             return None
+        if config.moment_precision == "fp32" and config.gpu_update_blocks == "auto":
+            self._unfitted_link = fp32_link_bytes(halves, config.master_bits)
         largest = max(self.storages[u].trainable_numel for u in units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
                                 LayerAdam.widen_elems(largest, config.moment_precision), halves=halves,
@@ -191,7 +201,7 @@ class SlideEngine:
         self._adapted = False
         self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
         self._step_tokens = 0
-        self.adaptation: str | None = None  # what the last adaptation did, for the log
+        self.notes: list[str] = []  # what the engine decided from the first micro-batches, for the log
         self.graphs = GraphBudget(self.config.recompute)
         self._step_tensors: list[torch.Tensor] = []
         self.wait_drain_s = 0.0
@@ -352,6 +362,7 @@ class SlideEngine:
         self.activations.new_micro_batch()
         self.graphs.new_micro_batch()
         if tokens is not None:
+            self._fit_gpu_split(tokens)
             if self._adapted and tokens > self._adapted_tokens:
                 self._reopen_adaptation()
             self._step_tokens = max(self._step_tokens, tokens)
@@ -448,8 +459,34 @@ class SlideEngine:
                   else f"{self.graphs.limit / 2**30:.2f} GiB for kept graphs (recompute={self.config.recompute!r})")
         size = f"micro-batches of up to {self._adapted_tokens} tokens: " if self._adapted_tokens else ""
         held = min(len(self.window.ring), self.window.blocks)  # a ring may start with more slots than blocks
-        self.adaptation = (f"{size}{held} of {self.window.blocks} blocks have a GPU slot "
-                           f"({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
+        self.notes.append(f"window sized for {size}{held} of {self.window.blocks} blocks have a GPU slot "
+                          f"({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
+
+    def _fit_gpu_split(self, tokens: int) -> None:
+        """At the first training micro-batch of an fp32 "auto" split: the CPU takes back the blocks whose updates
+        a step of micro-batches of `tokens` hides behind its compute anyway (`device_update.fitted_units`)."""
+        updater, link = self.adam.on_device, self._unfitted_link
+        if updater is None or link is None:
+            return
+        self._unfitted_link = None
+        blocks = sum(s.numel for s, dedicated in zip(self.storages, self._dedicated) if not dedicated)
+        hidden = hidden_update_s(updater.device, blocks, tokens, self.deferred)
+        trainable = [s.trainable_numel for s in self.storages]
+        before = len(updater.units)
+        self._leave_gpu_updates(updater.units.difference(
+            fitted_units(updater.units, self._dedicated, trainable, updater.device, link, hidden)))
+        self.notes.append(f"fp32 updates on the GPU for micro-batches of {tokens} tokens: {len(updater.units)} of the "
+                          f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates)")
+
+    def _leave_gpu_updates(self, units: set[int]) -> None:
+        """The CPU takes over the updates of `units`: their masters whole again and their planes released."""
+        if any(self.storages[u].halves is not None and self.storages[u].halves.planes for u in units):
+            self.synchronize()  # planes made by an evaluation before training turn back into whole masters
+        for u in units:
+            if self.storages[u].halves is not None:
+                self.storages[u].halves.release()
+                self.storages[u].halves = None
+        self.adam.on_device.units -= units
 
     def _reopen_adaptation(self) -> None:
         """A micro-batch larger than the one the adaptation measured: its activations and workspace need the

@@ -263,9 +263,8 @@ class SlideStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.sliding:
             return super().training_step(*args, **kwargs)
-        if self.engine.adaptation is not None:  # after a step that sized the window and kept graphs
-            rank_zero_info(f"slideformer window sized for {self.engine.adaptation}")
-            self.engine.adaptation = None
+        while self.engine.notes:  # what the first micro-batches decided: the GPU's updates, the window, kept graphs
+            rank_zero_info(f"slideformer {self.engine.notes.pop(0)}")
         shape = _token_shape(args[0] if args else None)
         tokens = None if shape is None else shape[0] * shape[1]
         self.engine.new_micro_batch(tokens)

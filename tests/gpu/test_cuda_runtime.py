@@ -115,6 +115,7 @@ def test_the_update_rates_are_measured_once_per_device():
     rates = measured_rates(torch.device("cuda"))
     assert rates is measured_rates(torch.device("cuda", torch.cuda.current_device()))
     assert rates.cpu_elems_s > 1e8 and rates.link_bytes_s > 1e9  # a fused CPU AdamW, PCIe both ways
+    assert 1e13 < rates.gpu_flops_s < 5e15  # a bf16 matmul: tens of teraflops or more, below any GPU's peak
 
 
 @pytest.mark.parametrize("rows, activations", [(2, "auto"), (32, "cpu")], ids=["own-buffers", "saved-input-buffers"])

@@ -128,7 +128,7 @@ def test_the_embedding_updated_on_the_device_besides_the_blocks_trains_bit_for_b
     """`gpu_update_blocks="auto"` at the H200 machine's rates: the embedding (tied to the head or not) and the
     balanced blocks go to the device, in several chunks each."""
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
-    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9))
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 7e14))
     cpu = _train("fp32", mode, False, monkeypatch, arch=arch)
     device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks="auto", arch=arch)
     assert 0 in device.adam.on_device.units and len(device.adam.on_device.units) > 1
@@ -149,16 +149,46 @@ def test_an_fp32_run_keeps_its_updates_on_the_cpu_where_the_rates_cannot_be_meas
 def test_auto_gives_the_gpu_the_blocks_that_make_both_sides_end_together():
     """A CPU element a second, 12 B a second each way: with 5 of ten 10-element blocks on the GPU (and 20 more
     elements on the CPU) the CPU takes 70 s and the link (50 x 12 + 70 x 4) / 12 = 73 s; with 4, 80 s and 67 s."""
-    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0)
+    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0, gpu_flops_s=1.0)
     assert device_update.balanced_blocks(20, [10] * 10, rates) == 5
-    assert device_update.balanced_blocks(20, [10] * 10, device_update.UpdateRates(1.0, 1e-6)) == 0  # a slow link
-    assert device_update.balanced_blocks(0, [10] * 10, device_update.UpdateRates(1e-6, 24.0)) == 10  # a slow CPU
+    assert device_update.balanced_blocks(20, [10] * 10, device_update.UpdateRates(1.0, 1e-6, 1.0)) == 0  # a slow link
+    assert device_update.balanced_blocks(0, [10] * 10, device_update.UpdateRates(1e-6, 24.0, 1.0)) == 10  # a slow CPU
+
+
+def test_auto_gives_the_gpu_the_fewest_blocks_whose_updates_end_within_the_compute_they_run_beside():
+    """The same rates: updates that end within `hidden_s` cost nothing, and the GPU's copies would only compete with
+    the loads. With 2 blocks on the GPU the CPU takes 100 s and the link 53 s; with none, 120 s and 40 s."""
+    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=24.0, gpu_flops_s=1.0)
+    assert device_update.balanced_blocks(20, [10] * 10, rates, hidden_s=100.0) == 2
+    assert device_update.balanced_blocks(20, [10] * 10, rates, hidden_s=120.0) == 0
+    assert device_update.balanced_blocks(20, [10] * 10, rates, hidden_s=60.0) == 5  # hides less than the split takes
+
+
+def test_a_steps_updates_run_beside_its_last_backward_or_with_clipping_beside_the_next_forward(monkeypatch):
+    """4 flops per block parameter and token of backward, 2 of forward, at the probe's matmul rate."""
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(1.0, 1.0, 1e15))
+    cuda = torch.device("cuda")
+    assert device_update.hidden_update_s(cuda, 8_000_000_000, 65536, deferred=False) == pytest.approx(2.097152)
+    assert device_update.hidden_update_s(cuda, 8_000_000_000, 65536, deferred=True) == pytest.approx(1.048576)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: None)
+    assert device_update.hidden_update_s(cuda, 8_000_000_000, 65536, deferred=False) == 0.0
+
+
+def test_a_fitted_split_keeps_the_embedding_and_an_even_spread_of_the_blocks_auto_gave_the_gpu(monkeypatch):
+    """The rates above, ten 10-element blocks between an embedding and a head of 10: "auto" gives the GPU the
+    embedding and 5 blocks. Hiding nothing keeps them; hiding 100 s keeps 2 of the 5 (the CPU 100 s, the link 53)."""
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(1.0, 24.0, 1.0))
+    dedicated, trainable, cpu = [True] + [False] * 10 + [True], [10] * 12, torch.device("cpu")
+    units = device_update.gpu_updated_units("fp32", "auto", dedicated, set(), trainable, cpu)
+    assert units == [0, 2, 4, 6, 8, 10]
+    assert device_update.fitted_units(units, dedicated, trainable, cpu, 24.0, hidden_s=0.0) == units
+    assert device_update.fitted_units(units, dedicated, trainable, cpu, 24.0, hidden_s=100.0) == [0, 4, 8]
 
 
 def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
     """The head (dedicated) and a disk unit stay on the CPU and count on its side; at these rates the embedding
     (dedicated) goes to the GPU besides the balanced blocks."""
-    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=48.0)
+    rates = device_update.UpdateRates(cpu_elems_s=1.0, link_bytes_s=48.0, gpu_flops_s=1.0)
     monkeypatch.setattr(device_update, "measured_rates", lambda device: rates)
     dedicated, trainable = [True, False, False, False, False, True], [1, 10, 10, 10, 1, 1]
     units = device_update.gpu_updated_units("fp32", "auto", dedicated, {4}, trainable, torch.device("cpu"))
@@ -172,7 +202,7 @@ def test_auto_gives_the_gpu_the_embedding_besides_the_balanced_blocks_where_its_
     """The embedding's gradient is complete only when the backward ends and the next forward needs it first."""
     dedicated, trainable = [True, False, False, False, False, True], [1, 10, 10, 10, 1, 1]
     for cpu_rate, link, first in ((3.1, 72.0, True), (100.0, 72.0, False)):  # H200 machine's rates; a fast CPU
-        rates = device_update.UpdateRates(cpu_elems_s=cpu_rate, link_bytes_s=link)
+        rates = device_update.UpdateRates(cpu_elems_s=cpu_rate, link_bytes_s=link, gpu_flops_s=1.0)
         monkeypatch.setattr(device_update, "measured_rates", lambda device, rates=rates: rates)
         units = device_update.gpu_updated_units("fp32", "auto", dedicated, set(), trainable, torch.device("cpu"))
         blocks = device_update.balanced_blocks(2, [10, 10, 10, 1], rates)

@@ -92,6 +92,43 @@ def test_the_kernels_planes_train_bit_for_bit_as_the_torch_ops(mode, monkeypatch
         engine.close()
 
 
+@pytest.mark.parametrize("mode", MODES[:2], ids=MODE_IDS[:2])
+def test_blocks_whose_updates_the_first_micro_batch_hides_go_back_to_the_cpu_as_whole_masters(mode, monkeypatch):
+    """`gpu_update_blocks="auto"` at the H200 machine's link and CPU rates and a matmul rate that makes any step's
+    compute hide every update: an evaluation first turns the GPU's units into planes (as Lightning's sanity check
+    does), then the first training micro-batch gives the blocks back to the CPU, whole masters again, and keeps the
+    embedding's update on the GPU. The run trains bit for bit as the CPU pool."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(device_update, "code_kernels_on", lambda device: False)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device, on=on: device if on else None)
+        model = tiny_model("llama")
+        engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2),
+                             SlideConfig(slots=2, chunk_elems=1024), torch.device("cpu"), torch.bfloat16, mode)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=token_batches(1, seed=2)[0])
+        runs.append(engine)
+        if on:
+            given = engine.adam.on_device.units
+            assert 0 in given and len(given) > 1 and all(engine.storages[u].halves.planes for u in given)
+        for x in token_batches(3):
+            engine.new_micro_batch(x.numel())
+            engine.begin_step()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(input_ids=x, labels=x).loss.backward()
+            engine.end_step()
+        engine.synchronize()
+    fitted = runs[1]
+    assert fitted.adam.on_device.units == {0}
+    assert [s.index for s in fitted.storages if s.halves is not None] == [0]
+    assert any("GPU for micro-batches of" in note and ": 1 of the" in note for note in fitted.notes)
+    _assert_same_state(runs[0], fitted)
+    for engine in runs:
+        engine.close()
+
+
 def test_a_slot_given_up_is_written_back_to_its_plane_before_it_takes_another_unit(monkeypatch):
     """Two slots for three blocks: each forward gives up slots that updates wrote the newest weights into."""
     engine, model = _engine(True, "int8", StepMode(), monkeypatch, slots=2, arch="llama")
