@@ -340,8 +340,9 @@ SUITES: dict[str, list[Case]] = {
         make("slide", model, 8, slide_settings=() if blocks == "auto" else (("gpu_update_blocks", blocks),))
         for model, counts in (("llama3_3b", ("auto", 0, 20, 28)), ("llama3_8b", ("auto", 0, 20, 24)))
         for blocks in counts],
-    # the step boundary at 64 x 1024 tokens: the default's split ("auto", some blocks' updates on the GPU, spread
-    # over the model, out of the CPU's backlog ahead of the embedding's) against every update on the CPU
+    # the step boundary at 64 x 1024 tokens: the default's split ("auto": the embedding's update on the GPU and as
+    # many blocks' as the step's compute does not hide, fitted at the first micro-batch) against every update on
+    # the CPU
     "boundary": [make("slide", "llama3_8b", 64, slide_settings=settings)
                  for settings in ((), (("gpu_update_blocks", 0),))],
     # 8x1024, where the backward waits for free gradient buffers: the default 3 against 6, at 3B and 8B
