@@ -87,8 +87,9 @@ class SlideConfig:
         make the CPU's and the GPU's shares take equally long at the fused CPU AdamW and pinned-copy rates the run
         measures when it starts (`device_update.balanced_blocks`), then, at the first training micro-batch, only
         as many of those as the step's compute does not hide anyway (at a bf16 matmul rate it also measures:
-        large steps keep the link for loads); 0: every fp32 update on the CPU. Compact
-        moments are always updated on the GPU where there is one.
+        large steps keep the link for loads); "auto" also gives the GPU the embedding's update where it ends
+        sooner there (the next forward's first need), which a count leaves on the CPU; 0: every fp32 update on
+        the CPU. Compact moments are always updated on the GPU where there is one.
     master_bits: how many bits of the fp32 master weights the units the GPU updates keep while they train. 32:
         the fp32 master, exact (on the host as planes: the bf16 weights, the low 16 bits and a parity bit,
         `master_halves`). 24 (opt-in, not exact): after each update the master is rounded stochastically to 24 bits
