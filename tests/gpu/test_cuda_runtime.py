@@ -72,6 +72,26 @@ def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip, monkeypatch):
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
+def test_blocks_whose_updates_the_step_hides_go_back_to_the_cpu_and_the_run_matches_adamw(clip, monkeypatch):
+    """`gpu_update_blocks="auto"` at the H200 machine's link and CPU rates, which give the GPU the embedding and
+    some blocks, and a matmul rate at which any step hides every update: from the first micro-batch on, only the
+    embedding's update runs on the GPU."""
+    import lightning_slide.device_update as device_update
+    from lightning_slide import SlideStrategy
+    from lightning_slide.device_update import DeviceUpdater
+
+    updated, run = [], DeviceUpdater.run
+    monkeypatch.setattr(DeviceUpdater, "run", lambda self, storage, *args: updated.append(storage.index) or run(
+        self, storage, *args))
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS, clip=clip, device="cuda")
+    got = fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=clip, accelerator="gpu")
+    assert set(updated) == {0} and len(updated) == STEPS
+    assert relative_difference(expected, got.model) <= 1e-5
+
+
 @pytest.mark.parametrize("precision, blocks", [("int8", 0), ("fp32", 2)], ids=["int8", "fp32-2-blocks"])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
 def test_masters_as_planes_on_cuda_train_as_whole_masters(precision, blocks, clip, monkeypatch):
