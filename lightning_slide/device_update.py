@@ -65,6 +65,7 @@ CPU_UNIT_LINK_BYTES = 4  # each way, per element of a unit the CPU updates: its 
 PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU cache
 PROBE_COPIES = 4  # copies each way, to outlast the probe's CPU AdamW
 PROBE_MATMUL = 8192  # the matmul probe's square size (bf16): 1.1 TFLOP a product, long past any launch cost
+PROBE_WARMUP = 20  # products before the matmul probe times any: 30 ms on an H200
 
 
 @dataclass
@@ -256,15 +257,18 @@ def _probe_rates(device: torch.device) -> UpdateRates:
 
 
 def _matmul_rate(device: torch.device) -> float:
-    """Flops/s of the best of three bf16 matmuls of `PROBE_MATMUL` squared on `device` (after one to warm up)."""
+    """Flops/s of the best of three bf16 matmuls of `PROBE_MATMUL` squared on `device`, after `PROBE_WARMUP` to
+    raise an idle GPU's clocks (a rate measured low would count more compute hiding updates than there is)."""
     a = torch.randn(PROBE_MATMUL, PROBE_MATMUL, device=device, dtype=torch.bfloat16)
     out, best = torch.empty_like(a), float("inf")
-    for k in range(4):
+    for _ in range(PROBE_WARMUP):
+        torch.mm(a, a, out=out)
+    for _ in range(3):
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         torch.mm(a, a, out=out)
         torch.cuda.synchronize(device)
-        best = best if k == 0 else min(best, time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)
     return 2 * PROBE_MATMUL**3 / best
 
 
