@@ -118,10 +118,12 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         self._loading_optimizer = False  # the engine's own load_state_dict call is under way
 
     # The Trainer strategy's own definitions, which read only what this class sets up the same way: the names
-    # "slideformer" and "slideformer_nvme", the device Fabric's connector hands over, and the micro-batch check.
+    # "slideformer" and "slideformer_nvme", the device Fabric's connector hands over, the micro-batch check and
+    # the engine's notes for the log.
     register_strategies = classmethod(SlideStrategy.register_strategies.__func__)
     root_device = SlideStrategy.root_device
     _check_batch = SlideStrategy._check_batch
+    _log_engine_notes = SlideStrategy._log_engine_notes
 
     @property
     def precision(self) -> SlideFabricPrecision:
@@ -219,6 +221,7 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         gradients (evaluation) leave a pending graph alone."""
         if not torch.is_grad_enabled():
             return
+        self._log_engine_notes()
         shape = _token_shape((args, kwargs))
         self.engine.new_micro_batch(None if shape is None else shape[0] * shape[1])
         if shape is not None and shape[0] * shape[1] > self._checked_tokens:

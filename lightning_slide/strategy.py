@@ -263,14 +263,19 @@ class SlideStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.sliding:
             return super().training_step(*args, **kwargs)
-        while self.engine.notes:  # what the first micro-batches decided: the GPU's updates, the window, kept graphs
-            rank_zero_info(f"slideformer {self.engine.notes.pop(0)}")
+        self._log_engine_notes()
         shape = _token_shape(args[0] if args else None)
         tokens = None if shape is None else shape[0] * shape[1]
         self.engine.new_micro_batch(tokens)
         if self._planned is not None and tokens is not None and tokens > self._checked_tokens:
             self._check_batch(shape)
         return super().training_step(*args, **kwargs)
+
+    def _log_engine_notes(self) -> None:
+        """What the engine decided from the first micro-batches (the GPU's share of the updates, the window's
+        slots, kept graphs), logged once, before the next micro-batch."""
+        while self.engine.notes:
+            rank_zero_info(f"slideformer {self.engine.notes.pop(0)}")
 
     def _check_batch(self, tokens: tuple[int, int]) -> None:
         """Before the forward of the largest micro-batch so far allocates: refuse it if its activations and

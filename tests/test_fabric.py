@@ -255,6 +255,16 @@ def test_bf16_mixed_on_cuda_with_the_kernels_trains_close_to_fabrics_bf16_mixed(
 
 
 # ------------------------------------------------------------------------------------------------ bad input
+def test_the_log_says_how_the_first_step_sized_the_window(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        trained(tiny_model("llama"), "slideformer", token_batches(2))
+    assert [r.getMessage() for r in caplog.records if "window sized" in r.getMessage()] == [
+        "slideformer window sized for micro-batches of up to 32 tokens: 3 of 3 blocks have a GPU slot (0 added, 0.00 "
+        "GiB); 0.00 GiB for kept graphs (recompute='auto')"]
+
+
 def test_two_optimizers_are_refused_with_what_to_do():
     model = tiny_model("llama")
     fabric = Fabric(strategy="slideformer", accelerator="cpu", devices=1)
