@@ -9,8 +9,16 @@ import torch
 import lightning_slide.device_update as device_update
 import lightning_slide.engine as engine_module
 import lightning_slide.layer_adam as layer_adam
-from lightning_slide import SlideConfig, SlideEngine, StepMode
-from tests.runtime.helpers import engine_steps, param_groups, tiny_model, token_batches
+from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
+from tests.runtime.helpers import (
+    engine_steps,
+    fit,
+    param_groups,
+    reference,
+    relative_difference,
+    tiny_model,
+    token_batches,
+)
 
 
 def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch, slots: int | str = "auto",
@@ -183,6 +191,20 @@ def test_a_fitted_split_keeps_the_embedding_and_an_even_spread_of_the_blocks_aut
     assert units == [0, 2, 4, 6, 8, 10]
     assert device_update.fitted_units(units, dedicated, trainable, cpu, 24.0, hidden_s=0.0) == units
     assert device_update.fitted_units(units, dedicated, trainable, cpu, 24.0, hidden_s=100.0) == [0, 4, 8]
+
+
+def test_a_trainer_fits_the_split_to_its_first_micro_batch_and_trains_as_torchs_adamw(monkeypatch):
+    """Through Lightning (the strategy hands the engine each micro-batch's tokens), at rates where any step hides
+    every update: from the first micro-batch on, the stand-in device updates the embedding only."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    updated, run = [], device_update.DeviceUpdater.run
+    monkeypatch.setattr(device_update.DeviceUpdater, "run",
+                        lambda self, storage, *args: updated.append(storage.index) or run(self, storage, *args))
+    model, batches = tiny_model("llama"), token_batches(3)
+    got = fit(model, batches, SlideStrategy(use_kernels=False), 3)
+    assert updated == [0, 0, 0]
+    assert relative_difference(reference(model, batches, 3), got.model) <= 1e-6
 
 
 def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
