@@ -130,17 +130,14 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
     if precision != "fp32":
         return in_ram
     blocks = [u for u in in_ram if not dedicated[u] and trainable[u]]
-    lead: list[int] = []
-    if gpu_update_blocks == "auto":
-        rates = measured_rates(device)
-        if rates is None:
-            return []
-        kept = sum(trainable) - sum(trainable[u] for u in blocks)  # the units the CPU updates whatever the split
-        link = fp32_link_bytes(halves, master_bits)
-        gpu_update_blocks = balanced_blocks(kept, [trainable[u] for u in blocks], rates, link)
-        if dedicated and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates, link):
-            lead = [0]  # besides the balanced blocks: the CPU keeps its share of those
-    return lead + spread(blocks, min(gpu_update_blocks, len(blocks)))
+    if gpu_update_blocks != "auto":
+        return spread(blocks, min(gpu_update_blocks, len(blocks)))
+    rates = measured_rates(device)
+    if rates is None:
+        return []
+    link = fp32_link_bytes(halves, master_bits)
+    first = bool(dedicated) and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates, link)
+    return ([0] if first else []) + _balanced(blocks, trainable, rates, link)  # the embedding besides the blocks
 
 
 def spread(blocks: Sequence[int], k: int) -> list[int]:
@@ -159,9 +156,15 @@ def fitted_units(units: Collection[int], dedicated: Sequence[bool], trainable: S
     if rates is None:
         return sorted(units)
     blocks = sorted(u for u in units if not dedicated[u])
+    return sorted(u for u in units if dedicated[u]) + _balanced(blocks, trainable, rates, link_bytes, hidden_s)
+
+
+def _balanced(blocks: list[int], trainable: Sequence[int], rates: UpdateRates, link_bytes: float,
+              hidden_s: float = 0.0) -> list[int]:
+    """Of `blocks`, the `balanced_blocks` the GPU takes, spread over them; the CPU updates every other trainable
+    element whatever the split."""
     kept = sum(trainable) - sum(trainable[u] for u in blocks)
-    k = balanced_blocks(kept, [trainable[u] for u in blocks], rates, link_bytes, hidden_s)
-    return sorted(u for u in units if dedicated[u]) + spread(blocks, k)
+    return spread(blocks, balanced_blocks(kept, [trainable[u] for u in blocks], rates, link_bytes, hidden_s))
 
 
 def hidden_update_s(device: torch.device, block_params: int, tokens: int, deferred: bool) -> float:
