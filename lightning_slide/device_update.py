@@ -104,25 +104,26 @@ def gpu_updates_on(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def master_link_bytes(halves: bool, master_bits: int = 32) -> float:
-    """Bytes per element of a master an update on the GPU moves each way: fp32, or as planes (`master_halves`: the
-    low part, 2 bytes or 1 with `master_bits` 24, and the parity bit; a resident unit's weights stay in its slot)."""
-    return LOW_DTYPES[master_bits].itemsize + 1 / 8 if halves else 4.0
+def master_link_bytes(plane_bits: int | None) -> float:
+    """Bytes per element of a master an update on the GPU moves each way: fp32 (`plane_bits` None), or as planes
+    (`master_halves`: the low part, 2 bytes or 1 with 24 bits, and the parity bit; a resident unit's weights stay in
+    its slot)."""
+    return 4.0 if plane_bits is None else LOW_DTYPES[plane_bits].itemsize + 1 / 8
 
 
-def fp32_link_bytes(halves: bool, master_bits: int = 32) -> float:
-    """PCIe bytes per element of an fp32 update on the GPU, up and back: both moments and the master (`halves`: as
-    planes, `master_halves`)."""
-    return 2 * (FP32_MOMENT_BYTES + master_link_bytes(halves, master_bits))
+def fp32_link_bytes(plane_bits: int | None) -> float:
+    """PCIe bytes per element of an fp32 update on the GPU, up and back: both moments and the master (whole, or as
+    planes of `plane_bits`: `master_link_bytes`)."""
+    return 2 * (FP32_MOMENT_BYTES + master_link_bytes(plane_bits))
 
 
 def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], dedicated: Sequence[bool],
                       on_disk: Collection[int], trainable: Sequence[int], device: torch.device,
-                      halves: bool = False, master_bits: int = 32) -> list[int]:
+                      plane_bits: int | None = None) -> list[int]:
     """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
     moments are in RAM; with fp32 ones `gpu_update_blocks` of the decoder blocks in RAM, spread evenly over them
     ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates` for updates that move the
-    master whole or, with `halves`, as planes; none where the rates cannot be measured). Spread, because the
+    master whole or as planes of `plane_bits`; none where the rates cannot be measured). Spread, because the
     backward holds only a few gradients at a time: were the GPU's blocks the last the backward reaches, it would
     reach them only after the CPU had taken the others' gradients, one by one. "auto" is an upper bound that the
     first micro-batch may lower (`fitted_units`)."""
@@ -135,7 +136,7 @@ def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], 
     rates = measured_rates(device)
     if rates is None:
         return []
-    link = fp32_link_bytes(halves, master_bits)
+    link = fp32_link_bytes(plane_bits)
     first = bool(dedicated) and dedicated[0] and trainable[0] and 0 in in_ram and embedding_first(rates, link)
     return ([0] if first else []) + _balanced(blocks, trainable, rates, link)  # the embedding besides the blocks
 
@@ -178,7 +179,7 @@ def hidden_update_s(device: torch.device, block_params: int, tokens: int, deferr
     return 0.0 if rates is None else (2 if deferred else 4) * block_params * tokens / rates.gpu_flops_s
 
 
-def embedding_first(rates: UpdateRates, link_bytes: float = fp32_link_bytes(False)) -> bool:
+def embedding_first(rates: UpdateRates, link_bytes: float = fp32_link_bytes(None)) -> bool:
     """Whether the embedding's update, the next forward's first need and complete only when the backward ends,
     is ready sooner on the GPU, where the link is otherwise idle by then: its master and moments go up
     (`link_bytes` / 2 per element, `fp32_link_bytes`; the update and the copies back follow chunk by chunk). On the
@@ -201,7 +202,7 @@ class UpdateRates:
 
 
 def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates,
-                    link_bytes: float = fp32_link_bytes(False), hidden_s: float = 0.0) -> int:
+                    link_bytes: float = fp32_link_bytes(None), hidden_s: float = 0.0) -> int:
     """How many of the decoder `blocks` (their trainable sizes) to update on the GPU so that a step's updates end
     soonest, the CPU's and the link's running at once: the fewest of those that end by `hidden_s`, the compute
     they run beside (`hidden_update_s`), where the split does not matter and the GPU's copies would compete with
@@ -290,13 +291,13 @@ def buffer_sets(precision: str) -> int:
     return FP32_SETS if precision == "fp32" else COMPACT_SETS
 
 
-def chunk_elems(largest_trainable: int, piece: int, halves: bool = False) -> int:
+def chunk_elems(largest_trainable: int, piece: int, plane_bits: int | None = None) -> int:
     """A buffer set's elements: a whole number of the CPU path's pieces (so the rounding noise lines up), at most
     CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs; with the masters as planes
-    (`halves`) a multiple of 8, whole parity bytes (a chunk that is one piece covers a unit's trainable range)."""
+    (`plane_bits`) a multiple of 8, whole parity bytes (a chunk that is one piece covers a unit's trainable range)."""
     pieces = max(1, min(CHUNK_ELEMS, largest_trainable) // piece)
     chunk = min(pieces * piece, -(-largest_trainable // piece) * piece)
-    return -(-chunk // 8) * 8 if halves else chunk
+    return chunk if plane_bits is None else -(-chunk // 8) * 8
 
 
 class _Buffers:
@@ -306,13 +307,13 @@ class _Buffers:
     rounding noise and what gathers it (each element's piece start and offset in it, and the table index)."""
 
     def __init__(self, n: int, codecs: tuple[MomentCodec, MomentCodec], device: torch.device, piece: int,
-                 code_kernels: bool, halves: bool, master_bits: int = 32) -> None:
+                 code_kernels: bool, plane_bits: int | None) -> None:
         int8_ops = codecs[0].precision == "int8" and not code_kernels  # the codec's torch ops
         rounding_ops = codecs[0].precision != "fp32" and not code_kernels  # ... and the noise they round with
         self.master = torch.empty(n, device=device)
-        planes = n if halves else 0
+        planes = 0 if plane_bits is None else n
         self.weights = torch.empty(planes, dtype=torch.bfloat16, device=device)
-        self.low = torch.empty(planes, dtype=LOW_DTYPES[master_bits], device=device)
+        self.low = torch.empty(planes, dtype=LOW_DTYPES[plane_bits or 32], device=device)
         self.parity = torch.empty(parity_bytes(planes), dtype=torch.uint8, device=device)
         self.values = [torch.empty(n, dtype=c.dtype, device=device) for c in codecs]
         self.scales = [torch.empty(-(-n // BLOCK), device=device) if codecs[0].precision == "int8" else None
@@ -330,12 +331,12 @@ class _Buffers:
         self.index = torch.empty_like(e)
 
     @staticmethod
-    def bytes_for(n: int, precision: str, code_kernels: bool, halves: bool, master_bits: int = 32) -> int:
+    def bytes_for(n: int, precision: str, code_kernels: bool, plane_bits: int | None) -> int:
         stored = {"int8": 1, "bf16": 2, "fp32": 4}[precision]
         scales = 2 * 4 * -(-n // BLOCK) if precision == "int8" else 0
         work = 2 * 4 * n if precision == "int8" and not code_kernels else 0
         noise = (2 + 3) * 4 * n if precision != "fp32" and not code_kernels else 0
-        planes = 2 * n + LOW_DTYPES[master_bits].itemsize * n + parity_bytes(n) if halves else 0
+        planes = 0 if plane_bits is None else 2 * n + LOW_DTYPES[plane_bits].itemsize * n + parity_bytes(n)
         return 4 * n + planes + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
@@ -343,13 +344,13 @@ class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
-                 piece: int, code_kernels: bool | None = None, halves: bool = False, master_bits: int = 32) -> None:
+                 piece: int, code_kernels: bool | None = None, plane_bits: int | None = None) -> None:
         """`code_kernels`: compact moments decoded and encoded by `ops.moment_codes`, and masters split and joined
         by `ops.master_halves` (None: wherever those run), or by torch ops (a pass over the chunk per op).
-        `halves`: the units' masters train as planes (`master_halves`), with room for them in each buffer set;
-        `master_bits` of them kept (32, or 24: the low plane of a byte, rounded stochastically)."""
+        `plane_bits`: the units' masters train as planes (`master_halves`) keeping that many of their bits (32, or
+        24: the low plane of a byte, rounded stochastically), with room for them in each buffer set."""
         self.device, self.codecs, self.piece = device, codecs, piece
-        self.chunk = chunk_elems(largest_trainable, piece, halves)
+        self.chunk = chunk_elems(largest_trainable, piece, plane_bits)
         compact = codecs[0].precision != "fp32"
         self.code_kernels = compact and (code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
@@ -358,7 +359,7 @@ class DeviceUpdater:
                        if (code_kernels_on(device) if code_kernels is None else code_kernels) else master_halves)
         self.lanes = [Lane(device, side=True, priority=COMPACT_PRIORITY if compact else 0)
                       for _ in range(buffer_sets(codecs[0].precision))]
-        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels, halves, master_bits)
+        self.sets = [_Buffers(self.chunk, codecs, device, piece, self.code_kernels, plane_bits)
                      for _ in self.lanes]
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
@@ -369,12 +370,11 @@ class DeviceUpdater:
 
     @staticmethod
     def bytes_for(largest_trainable: int, piece: int, precision: str, code_kernels: bool,
-                  halves: bool = False, master_bits: int = 32) -> int:
+                  plane_bits: int | None = None) -> int:
         """Device bytes of the buffer sets and the rounding noise's table (`code_kernels`: as `code_kernels_on`
         says)."""
         table = table_bytes(precision)  # the host table, copied up whole
-        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece, halves), precision, code_kernels, halves,
-                                 master_bits)
+        one = _Buffers.bytes_for(chunk_elems(largest_trainable, piece, plane_bits), precision, code_kernels, plane_bits)
         return buffer_sets(precision) * one + table
 
     def serve(self, storages: list[UnitStorage], units: Collection[int]) -> None:

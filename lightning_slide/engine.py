@@ -153,22 +153,20 @@ class SlideEngine:
         if self.optimizer is None:
             return None
         trainable = [s.trainable_numel for s in self.storages]
-        halves = master_halves.applies(self.dtype, self._chunk_elems(), max(trainable))
+        bits = master_halves.plane_bits(self.dtype, self._chunk_elems(), max(trainable), config.master_bits)
         units = [] if on is None else gpu_updated_units(config.moment_precision, config.gpu_update_blocks,
-                                                        self._dedicated, self.moments.on_disk, trainable, on, halves,
-                                                        config.master_bits)
-        master_halves.require_planes(config.master_bits, bool(units) and halves)
+                                                        self._dedicated, self.moments.on_disk, trainable, on, bits)
+        master_halves.require_planes(config.master_bits, bits if units else None)
         if not units:
             return None
         if config.moment_precision == "fp32" and config.gpu_update_blocks == "auto":
-            self._unfitted_link = fp32_link_bytes(halves, config.master_bits)
+            self._unfitted_link = fp32_link_bytes(bits)
         largest = max(self.storages[u].trainable_numel for u in units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
-                                LayerAdam.widen_elems(largest, config.moment_precision), halves=halves,
-                                master_bits=config.master_bits)
+                                LayerAdam.widen_elems(largest, config.moment_precision), plane_bits=bits)
         updater.serve(self.storages, units)
-        for u in units if halves else ():
-            self.storages[u].add_halves(updater.chunk, config.master_bits)
+        for u in units if bits is not None else ():
+            self.storages[u].add_halves(updater.chunk, bits)
         return updater
 
     def _chunk_elems(self) -> int:

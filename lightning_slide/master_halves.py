@@ -41,11 +41,13 @@ _PICK = 0x8040201008040201 - (1 << 64)  # ... and bit i kept in byte i (as a sig
 assert sys.byteorder == "little", "the planes are read off the fp32 master's bytes in little-endian order"
 
 
-def applies(dtype: torch.dtype, gradient_chunk: int, largest_trainable: int) -> bool:
-    """Whether the units the GPU updates keep their masters as planes: where weights are computed in bf16 (a slot
-    then holds the master's high half, or one more), and every update starts on a whole parity byte (gradient
-    chunks of a multiple of 8 elements, or one chunk a unit)."""
-    return dtype == torch.bfloat16 and (gradient_chunk % 8 == 0 or gradient_chunk >= largest_trainable)
+def plane_bits(dtype: torch.dtype, gradient_chunk: int, largest_trainable: int, master_bits: int) -> int | None:
+    """The bits of their masters (`master_bits`) that the units the GPU updates keep as planes, or None where their
+    masters move whole: planes apply where weights are computed in bf16 (a slot then holds the master's high half,
+    or one more) and every update starts on a whole parity byte (gradient chunks of a multiple of 8 elements, or one
+    chunk a unit)."""
+    applies = dtype == torch.bfloat16 and (gradient_chunk % 8 == 0 or gradient_chunk >= largest_trainable)
+    return master_bits if applies else None
 
 
 def parity_bytes(n: int) -> int:
@@ -57,9 +59,10 @@ LOW_DTYPES = {32: torch.int16, 24: torch.int8}  # the low plane's element, by th
 _M32 = 0xFFFFFFFF
 
 
-def require_planes(master_bits: int, planes: bool) -> None:
-    """Fewer than 32 bits of master apply to the masters the GPU updates as planes (`planes`: the run has some)."""
-    if master_bits != 32 and not planes:
+def require_planes(master_bits: int, plane_bits: int | None) -> None:
+    """Fewer than 32 bits of master apply to the masters the GPU updates as planes (`plane_bits`: None where the
+    run has none)."""
+    if master_bits != 32 and plane_bits is None:
         raise ValueError(
             f"SlideConfig.master_bits={master_bits} keeps that many bits of the masters the GPU updates as planes: a "
             "CUDA run computing in bf16 (precision='bf16-mixed' or 'bf16-true') whose updates run on the GPU "

@@ -296,7 +296,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         more_disk += ", or moment_precision='int8' (2 B/param instead of 8, bf16: 4)"
     served = _gpu_updated(shape, setup, disk)
     if setup.training:
-        master_halves.require_planes(setup.config.master_bits, bool(served) and _halves(shape, setup))
+        master_halves.require_planes(setup.config.master_bits, _plane_bits(shape, setup) if served else None)
     locked = sum(moment_bytes(precision, shape.units[u].trainable) for u in served)  # page-locked for the GPU
     all_locked = bool(served) and locked == in_ram
     entries = [
@@ -312,7 +312,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         largest = max(u.trainable for u in shape.units)
         what = f"{precision} moments' fp32 update scratch" + (" + rounding table" if precision == "bf16" else "")
         entries.append(Entry(what, "ram", LayerAdam.scratch_bytes(largest, precision) + table_bytes(precision)))
-    if served and _halves(shape, setup):
+    if served and _plane_bits(shape, setup) is not None:
         entries.append(Entry("parity planes of the masters the GPU updates (master_halves)", setup.pinned,
                              sum(UnitStorage.bytes_for("parity", shape.units[u].numel) for u in served)))
     if served:
@@ -321,7 +321,7 @@ def _host_state(shape: ModelShape, setup: Setup) -> list[Entry]:
         entries.append(Entry(f"{precision} moments' update buffers ({buffer_sets(precision)} chunks)", "gpu",
                              DeviceUpdater.bytes_for(largest, piece, precision,
                                                      code_kernels_on(torch.device(setup.device)),
-                                                     _halves(shape, setup), setup.config.master_bits),
+                                                     _plane_bits(shape, setup)),
                              "gpu_update_blocks=0" if precision == "fp32" else ""))
     if on_disk:
         entries += _disk_state(shape, setup, on_disk, bool(master_on_disk))
@@ -362,12 +362,13 @@ def _gpu_updated(shape: ModelShape, setup: Setup, on_disk: list[int]) -> list[in
         return []
     return gpu_updated_units(setup.config.moment_precision, setup.config.gpu_update_blocks,
                              [u.dedicated for u in shape.units], on_disk, [u.trainable for u in shape.units], on,
-                             _halves(shape, setup), setup.config.master_bits)
+                             _plane_bits(shape, setup))
 
 
-def _halves(shape: ModelShape, setup: Setup) -> bool:
-    """Whether the masters the GPU updates train as planes (`master_halves.applies`)."""
-    return master_halves.applies(setup.dtype, _gradient_chunk(shape, setup), max(u.trainable for u in shape.units))
+def _plane_bits(shape: ModelShape, setup: Setup) -> int | None:
+    """The bits of their masters the units the GPU updates keep as planes (`master_halves.plane_bits`)."""
+    return master_halves.plane_bits(setup.dtype, _gradient_chunk(shape, setup), max(u.trainable for u in shape.units),
+                                    setup.config.master_bits)
 
 
 def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:

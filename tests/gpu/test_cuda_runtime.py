@@ -110,7 +110,7 @@ def test_masters_as_planes_on_cuda_train_as_whole_masters(precision, blocks, cli
     for planes in (True, False):
         if not planes:
             assert converted  # the first run's masters were planes
-            monkeypatch.setattr(master_halves, "applies", lambda *args: False)
+            monkeypatch.setattr(master_halves, "plane_bits", lambda *args: None)
         strategy = SlideStrategy(use_kernels=False, moment_precision=precision, gpu_update_blocks=blocks, slots=2)
         runs.append(fit(model, batches, strategy, STEPS, clip=clip, precision="bf16-mixed", accelerator="gpu"))
     assert relative_difference(runs[1].model, runs[0].model) <= 1e-6

@@ -252,7 +252,7 @@ def test_a_buffer_set_is_a_whole_number_of_pieces_within_the_largest_unit():
     assert device_update.chunk_elems(3000, 1000) == 3000
     assert device_update.chunk_elems(2500, 1000) == 2000  # two pieces; the unit's third, partial one is a chunk
     assert device_update.chunk_elems(700, 700) == 700
-    assert device_update.chunk_elems(700, 700, halves=True) == 704  # whole parity bytes: still one chunk a unit
+    assert device_update.chunk_elems(700, 700, plane_bits=32) == 704  # whole parity bytes: still one chunk a unit
 
 
 def test_a_chunks_bf16_noise_is_what_the_cpu_pieces_draw_also_across_the_tables_end():
@@ -285,7 +285,7 @@ def test_the_plan_pins_the_moments_of_fp32_blocks_updated_on_the_gpu_and_counts_
     assert locked.where == "pinned" and locked.bytes == 4 * 8 * block
     assert entries["Adam exp_avg + exp_avg_sq (fp32)"].bytes == 8 * shape.trainable - locked.bytes
     buffers = entries["fp32 moments' update buffers (2 chunks)"]
-    assert buffers.bytes == device_update.DeviceUpdater.bytes_for(block, 1 << 22, "fp32", False, halves=True)
+    assert buffers.bytes == device_update.DeviceUpdater.bytes_for(block, 1 << 22, "fp32", False, plane_bits=32)
     assert buffers.remedy == "gpu_update_blocks=0"  # named if refused
 
 
@@ -303,11 +303,11 @@ def test_the_plan_pins_compact_moments_and_counts_the_gpu_buffers_where_updates_
         buffers = entries.get("int8 moments' update buffers (4 chunks)")
         if device == "cuda":
             assert buffers.where == "gpu" and buffers.bytes == device_update.DeviceUpdater.bytes_for(
-                128256 * 4096, 1 << 16, "int8", device_update.code_kernels_on(torch.device("cuda")), halves=True)
+                128256 * 4096, 1 << 16, "int8", device_update.code_kernels_on(torch.device("cuda")), plane_bits=32)
             # with the kernels (triton on the GPU) the sets take 22 bytes an element, and 4 1/8 more with room for
             # the masters' planes; the torch ops' rows and noise more
-            for halves, most in ((False, 23), (True, 27)):
-                sets = device_update.DeviceUpdater.bytes_for(128256 * 4096, 1 << 16, "int8", True, halves)
+            for bits, most in ((None, 23), (32, 27)):
+                sets = device_update.DeviceUpdater.bytes_for(128256 * 4096, 1 << 16, "int8", True, bits)
                 assert sets < 4 * most * device_update.CHUNK_ELEMS
         else:
             assert buffers is None

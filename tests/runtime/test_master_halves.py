@@ -141,7 +141,7 @@ def test_a_slot_given_up_is_written_back_to_its_plane_before_it_takes_another_un
 def test_a_resident_units_update_moves_its_low_halves_and_parities_and_leaves_its_weights_in_the_slot(monkeypatch):
     """Every unit has a slot: per element of master 2 bytes and a parity bit each way, instead of fp32's 4."""
     runs = [_engine(True, "int8", StepMode(), monkeypatch, slots=8)]
-    monkeypatch.setattr(master_halves, "applies", lambda *args: False)
+    monkeypatch.setattr(master_halves, "plane_bits", lambda *args: None)
     runs.append(_engine(True, "int8", StepMode(), monkeypatch, slots=8))
     for engine, model in runs:
         _steps(engine, model, 2)
@@ -184,7 +184,7 @@ def test_the_updater_turns_a_unit_into_planes_and_back_chunk_by_chunk_in_place(m
 
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
     updater = device_update.DeviceUpdater(torch.device("cpu"), codecs("int8"), 4096, 256, code_kernels=False,
-                                          halves=True)
+                                          plane_bits=32)
     master = _masters(5000 + 3, "cpu")
     master[torch.isnan(master)] = 0.25
     halves = master_halves.MasterHalves(master.clone(), updater.chunk)
@@ -240,7 +240,7 @@ def test_a_fit_that_validates_and_checkpoints_every_step_trains_as_the_cpu_pool(
      (torch.float32, 1024, 5000, False), (torch.float16, 1024, 5000, False)],
     ids=["bf16", "chunks-inside-parity-bytes", "one-chunk-a-unit", "fp32", "fp16"])
 def test_masters_train_as_planes_only_computing_in_bf16_on_whole_parity_bytes(dtype, chunk, largest, applies):
-    assert master_halves.applies(dtype, chunk, largest) is applies
+    assert master_halves.plane_bits(dtype, chunk, largest, 24) == (24 if applies else None)
 
 
 def test_the_plan_counts_the_parity_planes_where_the_gpu_updates_in_bf16():
