@@ -456,9 +456,8 @@ class SlideEngine:
         graphs = ("every part keeps its graph" if math.isinf(self.graphs.limit)
                   else f"{self.graphs.limit / 2**30:.2f} GiB for kept graphs (recompute={self.config.recompute!r})")
         size = f"micro-batches of up to {self._adapted_tokens} tokens: " if self._adapted_tokens else ""
-        held = min(len(self.window.ring), self.window.blocks)  # a ring may start with more slots than blocks
-        self.notes.append(f"window sized for {size}{held} of {self.window.blocks} blocks have a GPU slot "
-                          f"({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
+        self.notes.append(f"window sized for {size}{len(self.window.ring)} of {self.window.blocks} blocks have a GPU "
+                          f"slot ({grow} added, {grow * self.window.slot_bytes / 2**30:.2f} GiB); {graphs}")
 
     def _fit_gpu_split(self, tokens: int) -> None:
         """At the first training micro-batch of an fp32 "auto" split: the CPU takes back the blocks whose updates

@@ -399,7 +399,7 @@ def _window(shape: ModelShape, setup: Setup) -> list[Entry]:
                    Slot.bytes_for(u.numel, dtype) + (GradBuffer.bytes_for(u.numel, dtype) if grads else 0))
              for u in shape.units if u.dedicated]
     block = max((u.numel for u in shape.units if not u.dedicated), default=0)
-    ring = setup.config.initial_slots
+    ring = min(setup.config.initial_slots, sum(not u.dedicated for u in shape.units))
     grows = " (slots='auto': grows into spare VRAM after step 1)" if setup.config.slots == "auto" else ""
     slots.append(Entry(f"ring: {ring} block weight slots{grows}", setup.on_device, ring * Slot.bytes_for(block, dtype),
                        f"slots={ring - 1}" if ring > 2 else ""))

@@ -77,8 +77,8 @@ class Window:
         self.dedicated = {i: Slot(s.numel, dtype, device) for i, s in enumerate(storages) if dedicated[i]}
         self.capacity = max((s.numel for i, s in enumerate(storages) if not dedicated[i]), default=0)
         self.blocks = sum(not d for d in dedicated)
-        self.ring = [Slot(self.capacity, dtype, device) for _ in range(slots)]
-        self.lookahead = slots - 1  # units loaded ahead of the pass (a grown ring keeps the same distance)
+        self.ring = [Slot(self.capacity, dtype, device) for _ in range(min(slots, self.blocks))]
+        self.lookahead = len(self.ring) - 1  # units loaded ahead of the pass (a grown ring keeps the same distance)
         # GPU gradient buffers (the host's landing buffers are `transfer.LandingRing`): one per dedicated unit,
         # and a ring that every block's gradient passes through
         self.dedicated_grads = {i: GradBuffer(storages[i].numel, dtype, device)

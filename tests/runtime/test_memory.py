@@ -58,6 +58,15 @@ def test_a_window_as_large_as_the_model_loads_each_unit_once_per_step():
     assert _loaded_bytes_per_step(slots=2) > blocks_and_vocab_units
 
 
+def test_a_window_allocates_no_more_block_slots_than_the_model_has_blocks():
+    model = tiny_model("llama", num_hidden_layers=2)
+    for slots in (8, "auto"):  # "auto" starts on three
+        engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(slots=slots),
+                             torch.device("cpu"), torch.float32)
+        assert len(engine.window.ring) == 2
+        engine.close()
+
+
 def test_an_auto_window_grows_after_the_first_step_until_each_unit_loads_once_per_step():
     """On the CPU nothing limits it: every block gets a slot (on CUDA, as many as the spare VRAM holds)."""
     blocks_and_vocab_units = sum(p.numel() for p in tiny_model("llama", num_hidden_layers=6).parameters()) * 4

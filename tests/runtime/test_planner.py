@@ -64,6 +64,7 @@ def _packed(moment) -> list[torch.Tensor]:
         ("llama", torch.bfloat16, True, {"mode": StepMode(clip_norm=1.0)}),
         ("qwen3", torch.bfloat16, True, {"config": SlideConfig(chunk_elems=1024)}),
         ("llama", torch.float32, True, {"config": SlideConfig(block_grad_buffers=5)}),
+        ("llama", torch.float32, True, {"config": SlideConfig(slots=8)}),  # more slots than the model's 3 blocks
         ("llama", torch.bfloat16, True, {"config": SlideConfig(moment_precision="int8")}),
         ("qwen2-tied", torch.float32, True, {"config": SlideConfig(moment_precision="bf16", chunk_elems=1024)}),
         ("mistral", torch.float32, False, {}),
