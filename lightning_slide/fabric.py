@@ -183,9 +183,8 @@ class SlideFabricStrategy(SingleDeviceStrategy):
             raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
         self.precision.device_type = self.root_device.type
         rank_zero_info(f"slideformer steps: {self.mode.describe()}")
-        self._plan_memory(module, optimizer)
-        self.engine = SlideEngine(module, optimizer, self.config, self.root_device, self.precision.compute_dtype,
-                                  self.mode)
+        config = self._plan_memory(module, optimizer)
+        self.engine = SlideEngine(module, optimizer, config, self.root_device, self.precision.compute_dtype, self.mode)
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             module.register_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
@@ -210,10 +209,11 @@ class SlideFabricStrategy(SingleDeviceStrategy):
         finally:
             self._loading_optimizer = False
 
-    def _plan_memory(self, module: nn.Module, optimizer: Optimizer | None) -> None:
+    def _plan_memory(self, module: nn.Module, optimizer: Optimizer | None) -> SlideConfig:
         """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit: the Trainer
-        strategy's planning, for a loop with no export callbacks (HFExport is a Trainer callback)."""
-        SlideStrategy._plan_memory(self, _NO_CALLBACKS, module, optimizer, self.precision.compute_dtype)
+        strategy's planning, for a loop with no export callbacks (HFExport is a Trainer callback). Returns the
+        settings the run uses (`SlideStrategy._plan_memory`)."""
+        return SlideStrategy._plan_memory(self, _NO_CALLBACKS, module, optimizer, self.precision.compute_dtype)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A training forward starts a micro-batch: the engine forgets a graph never backpropagated and sizes the

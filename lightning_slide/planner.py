@@ -50,6 +50,10 @@ from lightning_slide.window import GradBuffer, Slot, Window
 Where = Literal["gpu", "pinned", "ram", "disk"]
 LOCATIONS: tuple[Where, ...] = ("gpu", "pinned", "ram", "disk")
 GiB = 2**30
+# the remedies that name the batch: the micro-batch is the DataLoader's batch (`data.batch_size` in train.py)
+SMALLER_BATCH = "a smaller micro-batch (the DataLoader's batch_size; data.batch_size in train.py)"
+SMALLER_TOKENS = ("a smaller micro-batch or sequence length (the DataLoader's batch_size or its rows' length; "
+                  "data.batch_size or data.seq_len in train.py)")
 
 
 class PlanError(MemoryError):
@@ -431,18 +435,18 @@ def _activations(shape: ModelShape, setup: Setup, tokens: int, acts: int, where:
     """activations.py: each part's input waits for its backward on the device, in pinned RAM, or on disk."""
     hidden = ActivationStore.input_bytes(tokens, shape.hidden, setup.dtype)
     if where == "device":
-        remedy = "activations='cpu' or a smaller micro_batch" if setup.cuda else "a smaller micro_batch"
+        remedy = "activations='cpu' or " + SMALLER_BATCH if setup.cuda else SMALLER_BATCH
         return [Entry(f"saved part inputs ({shape.saves})", setup.on_device, acts, remedy),
                 Entry("hidden states in flight", setup.on_device, ActivationStore.in_flight_bytes(hidden, where),
-                      "a smaller micro_batch")]
+                      SMALLER_BATCH)]
     in_flight = Entry("hidden states in flight + prefetched inputs", setup.on_device,
-                      ActivationStore.in_flight_bytes(hidden, where), "a smaller micro_batch")
+                      ActivationStore.in_flight_bytes(hidden, where), SMALLER_BATCH)
     if where == "nvme":
         return [Entry(f"saved part inputs ({shape.saves}), on disk", "disk",
-                      ActivationStore.disk_bytes_for(shape.saves, hidden), "a smaller micro_batch or seq_len"),
+                      ActivationStore.disk_bytes_for(shape.saves, hidden), SMALLER_TOKENS),
                 _disk_staging(setup, hidden), in_flight]
     return [Entry(f"saved part inputs ({shape.saves}), offloaded", setup.pinned, acts,
-                  "activations='nvme' with offload='nvme', or a smaller micro_batch or seq_len"), in_flight]
+                  "activations='nvme' with offload='nvme', or " + SMALLER_TOKENS), in_flight]
 
 
 def _held_gradients(shape: ModelShape, setup: Setup, tokens: int, where: str) -> list[Entry]:
@@ -469,9 +473,9 @@ def _disk_staging(setup: Setup, hidden: int) -> Entry:
     if direct_io(setup.config.gds, torch.device(setup.device)):
         return Entry(f"disk staging buffers ({DISK_BUFFERS}), direct I/O", "gpu",
                      ActivationStore.staging_bytes(hidden, False),
-                     "gds='off' (staging in pinned RAM) or a smaller micro_batch")
+                     "gds='off' (staging in pinned RAM) or " + SMALLER_BATCH)
     return Entry(f"disk staging buffers ({DISK_BUFFERS})", setup.pinned,
-                 ActivationStore.staging_bytes(hidden, setup.cuda), "a smaller micro_batch")
+                 ActivationStore.staging_bytes(hidden, setup.cuda), SMALLER_BATCH)
 
 
 def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
@@ -488,7 +492,7 @@ def _workspace(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     head = head_workspace(tokens, shape.hidden, shape.vocab, setup.compute_bytes,
                           int(setup.config.loss_chunk_mib * 2**20) if _kernels(setup) else None)
     return Entry("compute workspace (one unit's recompute + backward)", setup.on_device, max(block, head),
-                 "a smaller micro_batch or seq_len" + _tiling_remedy(setup, tile and tile[0]))
+                 SMALLER_TOKENS + _tiling_remedy(setup, tile and tile[0]))
 
 
 def _kernels(setup: Setup) -> bool:
@@ -535,7 +539,7 @@ def _kept_graphs(shape: ModelShape, setup: Setup, tokens: int) -> Entry:
     blocks = sum(not u.dedicated for u in shape.units) if setup.config.recompute == "never" else 0
     return Entry(f"kept graphs of {blocks} blocks (recompute='never')", setup.on_device,
                  blocks * tokens * _block_graph_per_token(shape, setup, tokens),
-                 "recompute='auto', or a smaller micro_batch")
+                 "recompute='auto', or " + SMALLER_BATCH)
 
 
 def check_batch(needs: Plan, static: Plan, shape: ModelShape, setup: Setup, micro_batch: int, seq_len: int,
@@ -546,8 +550,8 @@ def check_batch(needs: Plan, static: Plan, shape: ModelShape, setup: Setup, micr
         needs.check(resources)
     except PlanError as error:
         longest = longest_seq_len(static, shape, setup, micro_batch, resources, gpu_free, seq_len)
-        fits = (f"the longest sequence that fits at micro_batch={micro_batch} is {longest:,} tokens"
-                if longest else f"no sequence fits at micro_batch={micro_batch}")
+        fits = (f"the longest sequence that fits at a micro-batch of {micro_batch} is {longest:,} tokens"
+                if longest else f"no sequence fits at a micro-batch of {micro_batch}")
         raise PlanError(f"{error} This micro-batch has {micro_batch} x {seq_len:,} tokens; {fits}.") from None
 
 

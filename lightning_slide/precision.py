@@ -18,12 +18,13 @@ from lightning_utilities import apply_to_collection
 from torch import nn
 
 import lightning_slide.engine as engine_module
+from lightning_slide.planner import SMALLER_TOKENS
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
 OUT_OF_MEMORY = (
     "slideformer: the GPU ran out of memory in a step whose plan fit at setup. To fit, change: recompute='always' "
     "(kept graphs fill the VRAM the first step left spare), a fixed slots=N (slots='auto' grows into it too), "
-    "activations='cpu', mlp_tile_tokens=8192 (MLPs over sequence tiles), or a smaller micro_batch or seq_len; "
+    f"activations='cpu', mlp_tile_tokens=8192 (MLPs over sequence tiles), or {SMALLER_TOKENS}; "
     "if much of the memory above is reserved but unallocated (fragmentation), start the process with "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
 )

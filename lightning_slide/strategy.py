@@ -163,15 +163,8 @@ class SlideStrategy(SingleDeviceStrategy):
         optimizer = self.optimizers[0] if fitting else None
         self.mode = StepMode(self._accumulates(trainer), self._clip_norm(trainer), not module.automatic_optimization)
         rank_zero_info(f"slideformer steps: {self.mode.describe()}")
-        self._plan_memory(trainer, module, optimizer, precision.compute_dtype)
-        self.engine = SlideEngine(
-            module,
-            optimizer,
-            self.config,
-            self.root_device,
-            precision.compute_dtype,
-            self.mode,
-        )
+        config = self._plan_memory(trainer, module, optimizer, precision.compute_dtype)
+        self.engine = SlideEngine(module, optimizer, config, self.root_device, precision.compute_dtype, self.mode)
         precision.engine, precision.automatic = self.engine, module.automatic_optimization
         self._hooks = self._state_hooks(module)
         self.setup_precision_plugin()
@@ -187,29 +180,35 @@ class SlideStrategy(SingleDeviceStrategy):
                       m.register_load_state_dict_post_hook(lambda *_: self.engine.master_changed())]
         return hooks
 
-    def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any, dtype: torch.dtype) -> None:
-        """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit."""
+    def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any,
+                     dtype: torch.dtype) -> SlideConfig:
+        """Log what will live where and refuse (PlanError) a run whose weights and state cannot fit. Returns the
+        settings this run uses: the strategy's, with `nvme_moments` fitted to the free RAM where it is left to the
+        planner (the strategy keeps its own, so that a later fit fits it again)."""
+        config = self.config
         setup = Setup(
-            self.config, self.root_device.type, dtype, training=optimizer is not None, mode=self.mode,
+            config, self.root_device.type, dtype, training=optimizer is not None, mode=self.mode,
             amsgrad=optimizer is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups),
             export_bytes=sum(cb.host_bytes(module) for cb in trainer.callbacks if isinstance(cb, HFExport)),
         )
         shape, self.plan = plan_for_run(module, optimizer, setup)
-        if self.config.offload == "nvme":  # folders of killed runs: their space counts as free
-            remove_stale_tier_folders(self.config.nvme_path)
-        resources = Resources.probe(self.root_device, self.config.nvme_path, resident_bytes(module))
-        if self.config.offload == "nvme" and self.config.nvme_moments is None and optimizer is not None:
-            self.config = replace(self.config, nvme_moments=fit_moments(shape, setup, resources))
-            setup = replace(setup, config=self.config)
+        if config.offload == "nvme":  # folders of killed runs: their space counts as free
+            remove_stale_tier_folders(config.nvme_path)
+        resources = Resources.probe(self.root_device, config.nvme_path, resident_bytes(module))
+        if config.offload == "nvme" and config.nvme_moments is None and optimizer is not None:
+            config = replace(config, nvme_moments=fit_moments(shape, setup, resources))
+            setup = replace(setup, config=config)
             self.plan = Plan.static(shape, setup)
         self._planned, self._checked_tokens, self._process_bytes = (shape, setup), 0, resources.process
         rank_zero_info(self.plan.describe())
-        if self.config.offload == "nvme":
-            direct = direct_io(self.config.gds, self.root_device)
-            rank_zero_info(f"slideformer disk tier: {backend_name(direct)}, files under {self.config.nvme_path}, "
-                           f"{self.config.nvme_moments:.0%} of the Adam moments on disk"
-                           + (" with their units' fp32 master weights" if self.config.nvme_master else ""))
+        if config.offload == "nvme":
+            state = ("no Adam state (evaluation)" if optimizer is None else
+                     f"{config.nvme_moments:.0%} of the Adam moments on disk"
+                     + (" with their units' fp32 master weights" if config.nvme_master else ""))
+            rank_zero_info(f"slideformer disk tier: {backend_name(direct_io(config.gds, self.root_device))}, files "
+                           f"under {config.nvme_path}, {state}")
         self.plan.check(resources)
+        return config
 
     def _validate(self, trainer: Trainer, module: LightningModule) -> None:
         if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
@@ -282,7 +281,7 @@ class SlideStrategy(SingleDeviceStrategy):
         workspace cannot fit (the engine has given back what it grew for smaller ones)."""
         shape, setup = self._planned
         self._checked_tokens = tokens[0] * tokens[1]
-        resources = Resources.probe(self.root_device)
+        resources = Resources.probe(self.root_device, self.config.nvme_path)  # the disk holds saved inputs too
         gpu_free = None if resources.gpu is None else resources.gpu + self.plan.total("gpu")  # slots are in already
         runs, needs = resolve_batch_setup(self.plan, shape, setup, *tokens, resources, gpu_free)
         decided = ""

@@ -77,7 +77,7 @@ def test_a_sequence_that_cannot_fit_is_refused_before_its_forward_with_the_longe
     model.model.layers[0].register_forward_hook(lambda *_: forwards.append(1))
     fit = trainer("slideformer", 1, callbacks=[RamFor128Tokens()]).fit
     with pytest.raises(planner.PlanError, match="This micro-batch has 2 x 256 tokens; the longest sequence that "
-                                                "fits at micro_batch=2 is 128 tokens"):
+                                                "fits at a micro-batch of 2 is 128 tokens"):
         fit(MaskedLM(model), DataLoader(_rows(False), batch_size=None))
     assert forwards == []
 

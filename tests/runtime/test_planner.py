@@ -165,7 +165,7 @@ def test_too_many_tokens_on_the_gpu_are_refused_naming_activation_offload_and_mi
         plan.check(Resources(ram=512 * GiB, gpu=24 * GiB))
     message = str(caught.value)
     assert f"GPU memory: it needs {plan.total('gpu') / GiB:.2f} GiB, 24.00 GiB available" in message
-    assert "activations='cpu'" in message and "smaller micro_batch" in message
+    assert "activations='cpu'" in message and "smaller micro-batch" in message
 
 
 def test_a_plan_that_fits_passes_the_check():
@@ -274,7 +274,7 @@ def test_a_micro_batch_that_cannot_fit_is_refused_before_its_forward(monkeypatch
         def on_train_start(self, trainer, pl_module):  # after setup's static check, before the first batch
             monkeypatch.setattr(planner, "available_ram", lambda: 1024)
 
-    with pytest.raises(PlanError, match="micro_batch"):
+    with pytest.raises(PlanError, match="micro-batch"):
         trainer("slideformer", 1, callbacks=[RamRunsOut()]).fit(
             CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
 
@@ -289,7 +289,7 @@ def test_a_later_larger_micro_batch_is_checked_before_its_forward_and_same_size_
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for rows in (2, 2, 4)]
-    with pytest.raises(PlanError, match="micro_batch"):
+    with pytest.raises(PlanError, match="micro-batch"):
         trainer("slideformer", 3, callbacks=[RamRunsOutAfterTheFirstBatch()]).fit(
             CausalLM(tiny_model()), DataLoader(batches, batch_size=None))
     assert seen == [(2, SEQ), (2, SEQ)]
@@ -501,9 +501,9 @@ def test_a_sequence_that_cannot_fit_is_refused_naming_the_longest_that_fits_and_
         planner.check_batch(needs, static, shape, setup, 1, 1 << 20, resources, gpu_free)
     message = str(caught.value)
     longest = planner.longest_seq_len(static, shape, setup, 1, resources, gpu_free, 1 << 20)
-    assert f"This micro-batch has 1 x 1,048,576 tokens; the longest sequence that fits at micro_batch=1 is " \
+    assert f"This micro-batch has 1 x 1,048,576 tokens; the longest sequence that fits at a micro-batch of 1 is " \
            f"{longest:,} tokens" in message
-    assert "GPU memory" in message and "a smaller micro_batch or seq_len" in message
+    assert "GPU memory" in message and "a smaller micro-batch or sequence length" in message
     static.batch(shape, setup, 1, longest, gpu_free).check(resources)
     with pytest.raises(PlanError):
         static.batch(shape, setup, 1, longest + 1, gpu_free).check(resources)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig
 
@@ -191,6 +191,42 @@ def test_a_disk_without_room_for_the_plan_is_refused_before_allocating(tmp_path,
     strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0)
     with pytest.raises(PlanError, match="cannot fit this run in disk.*nvme_moments"):
         trainer(strategy, 1).fit(CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+def test_a_micro_batch_whose_saved_inputs_do_not_fit_the_disk_is_refused_before_its_forward(tmp_path, monkeypatch):
+    class DiskFillsUp(Callback):
+        def on_train_start(self, trainer, pl_module):  # after setup's static check, before the first batch
+            monkeypatch.setattr(planner, "available_disk", lambda path: 4096)
+
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path), nvme_moments=0.0, activations="nvme")
+    with pytest.raises(PlanError, match="cannot fit this run in disk.*saved part inputs.*smaller micro-batch"):
+        trainer(strategy, 1, callbacks=[DiskFillsUp()]).fit(
+            CausalLM(tiny_model()), DataLoader(token_batches(1), batch_size=None))
+
+
+def test_evaluating_with_the_disk_tier_runs_and_logs_that_there_is_no_adam_state(tmp_path, caplog):
+    batches = token_batches(2)
+    with caplog.at_level("INFO"):
+        (result,) = trainer(SlideStrategy(offload="nvme", nvme_path=str(tmp_path)), 1).validate(
+            CausalLM(tiny_model()), DataLoader(batches, batch_size=None), verbose=False)
+    assert result["val_loss"] > 0
+    assert "no Adam state (evaluation)" in caplog.text
+
+
+def test_each_fit_fits_the_disk_fraction_for_itself_and_leaves_the_strategys_setting_as_given(tmp_path):
+    fitted = []
+
+    class Fraction(Callback):
+        def on_train_start(self, trainer, pl_module):
+            fitted.append(trainer.strategy.engine.config.nvme_moments)
+
+    strategy = SlideStrategy(offload="nvme", nvme_path=str(tmp_path))
+    run, module = trainer(strategy, 1, callbacks=[Fraction()]), CausalLM(tiny_model())
+    for steps in (1, 2):  # a second fit of the same Trainer: its setup plans again
+        run.fit_loop.epoch_loop.max_steps = steps
+        run.fit(module, DataLoader(token_batches(1), batch_size=None))
+    assert fitted == [0.0, 0.0]  # all of a tiny model's moments fit in RAM
+    assert strategy.config.nvme_moments is None
 
 
 def test_a_disk_that_fills_up_while_preallocating_names_the_path_and_the_remedy(tmp_path, monkeypatch):
