@@ -119,14 +119,17 @@ def fp32_link_bytes(plane_bits: int | None) -> float:
 
 def gpu_updated_units(precision: str, gpu_update_blocks: int | Literal["auto"], dedicated: Sequence[bool],
                       on_disk: Collection[int], trainable: Sequence[int], device: torch.device,
-                      plane_bits: int | None = None) -> list[int]:
-    """The units whose updates run on the GPU `device` (`gpu_updates_on`): with compact moments every unit whose
+                      plane_bits: int | None = None, amsgrad: bool = False) -> list[int]:
+    """The units whose updates run on the GPU `device` (`gpu_updates_on`), none with `amsgrad` (its running maximum
+    of exp_avg_sq lives on the host, where the CPU updates it): with compact moments every unit whose
     moments are in RAM; with fp32 ones `gpu_update_blocks` of the decoder blocks in RAM, spread evenly over them
     ("auto": as many as `balanced_blocks` finds at this machine's `measured_rates` for updates that move the
     master whole or as planes of `plane_bits`; none where the rates cannot be measured). Spread, because the
     backward holds only a few gradients at a time: were the GPU's blocks the last the backward reaches, it would
     reach them only after the CPU had taken the others' gradients, one by one. "auto" is an upper bound that the
     first micro-batch may lower (`fitted_units`)."""
+    if amsgrad:
+        return []
     in_ram = [u for u in range(len(dedicated)) if u not in on_disk]
     if precision != "fp32":
         return in_ram

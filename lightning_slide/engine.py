@@ -154,8 +154,10 @@ class SlideEngine:
             return None
         trainable = [s.trainable_numel for s in self.storages]
         bits = master_halves.plane_bits(self.dtype, self._chunk_elems(), max(trainable), config.master_bits)
+        amsgrad = any(g["amsgrad"] for g in self.optimizer.param_groups)
         units = [] if on is None else gpu_updated_units(config.moment_precision, config.gpu_update_blocks,
-                                                        self._dedicated, self.moments.on_disk, trainable, on, bits)
+                                                        self._dedicated, self.moments.on_disk, trainable, on, bits,
+                                                        amsgrad)
         master_halves.require_planes(config.master_bits, bits if units else None)
         if not units:
             return None

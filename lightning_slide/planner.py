@@ -366,7 +366,7 @@ def _gpu_updated(shape: ModelShape, setup: Setup, on_disk: list[int]) -> list[in
         return []
     return gpu_updated_units(setup.config.moment_precision, setup.config.gpu_update_blocks,
                              [u.dedicated for u in shape.units], on_disk, [u.trainable for u in shape.units], on,
-                             _plane_bits(shape, setup))
+                             _plane_bits(shape, setup), setup.amsgrad)
 
 
 def _plane_bits(shape: ModelShape, setup: Setup) -> int | None:

@@ -144,6 +144,26 @@ def test_the_embedding_updated_on_the_device_besides_the_blocks_trains_bit_for_b
     cpu.close(), device.close()
 
 
+def test_amsgrad_keeps_every_update_on_the_cpu_where_its_running_maximum_lives_and_matches_torch(monkeypatch):
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_slide.planner import ModelShape, Plan, Setup
+
+    class Updater(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(trainer.strategy.engine.adam.on_device)
+
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    model, batches, seen = tiny_model("llama"), token_batches(3), []
+    got = fit(model, batches, SlideStrategy(gpu_update_blocks=2), 3, optimizer_kwargs=dict(amsgrad=True),
+              callbacks=[Updater()])
+    assert seen == [None]
+    assert relative_difference(reference(model, batches, 3, optimizer_kwargs=dict(amsgrad=True)), got.model) <= 1e-6
+    shape = ModelShape.from_model(model, {id(p) for p in model.parameters()})
+    entries = Plan.static(shape, Setup(SlideConfig(gpu_update_blocks=2), device="cuda", amsgrad=True)).entries
+    assert not any("updated on the GPU" in e.what or "update buffers" in e.what for e in entries)
+
+
 def test_an_fp32_run_keeps_its_updates_on_the_cpu_where_the_rates_cannot_be_measured(monkeypatch):
     """`gpu_update_blocks="auto"` (the default) measures the rates on CUDA only: on a stand-in device it is 0."""
     monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
