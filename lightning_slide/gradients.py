@@ -176,14 +176,15 @@ class GradRouter:
 
         fp32 sums have their own buffer. A step that holds one gradient as it came puts it in the host buffer of
         the unit's saved input that its backward has just freed, where that is large enough (at 64 x 1024 tokens
-        a Llama-3.1-8B block's input takes 512 MiB, its bf16 gradient 436 MB): the gradient then costs no memory
-        of its own. The next forward saves into that buffer only after the unit's update (`reclaim`). Other
-        units get a buffer of their own at first use.
+        a Llama-3.1-8B block's input takes 512 MiB, its bf16 gradient 436 MB) and the gradient can land there
+        directly (page-locked, or no GPU): it then costs no memory of its own. The next forward saves into that
+        buffer only after the unit's update (`reclaim`). Other units get a buffer of their own at first use.
         """
         storage = self.storages[unit]
         spare = self.book.spare.pop(unit, None)
         nbytes = self.home_bytes(storage.trainable_numel, self.dtype)
-        if not self.mode.sums and spare is not None and spare.numel() * spare.element_size() >= nbytes:
+        if (not self.mode.sums and spare is not None and spare.numel() * spare.element_size() >= nbytes
+                and self._lands_directly(spare.is_pinned())):  # else it would come through the landing ring
             self.book.lent[spare.data_ptr()] = unit
             return spare.view(-1).view(torch.uint8)[:nbytes].view(self.dtype), spare.is_pinned()
         if storage.grad_acc is None:

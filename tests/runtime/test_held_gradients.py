@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 import lightning_slide.layer_adam as layer_adam
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
+from lightning_slide.gradients import GradRouter
 from lightning_slide.norm import GlobalNorm
 from tests.runtime.helpers import fit, tiny_model, token_batches
 
@@ -78,6 +79,17 @@ def test_a_unit_whose_saved_input_buffer_can_hold_its_gradient_needs_no_gradient
     engine = _train_engine(rows)
     assert {s.name for s in engine.storages if s.grad_acc is not None} == own
     engine.close()
+
+
+def test_saved_input_buffers_that_could_not_be_page_locked_lend_no_gradient_home(monkeypatch):
+    """On a GPU a copy lands straight in host memory only where that is page-locked (`pin_` may fail, e.g. at the
+    locked-memory limit): such buffers hold no gradient, which waits in a buffer of its own, with the same bits."""
+    lent = _train_engine(32)
+    monkeypatch.setattr(GradRouter, "_lands_directly", lambda self, pinned: pinned)  # as on CUDA; nothing is pinned
+    own = _train_engine(32)
+    assert all(s.grad_acc is not None for s in own.storages)
+    assert all(torch.equal(a.master, b.master) for a, b in zip(lent.storages, own.storages))
+    lent.close(), own.close()
 
 
 def test_gradients_in_saved_input_buffers_train_exactly_as_fp32_sums_of_the_same_gradients():
