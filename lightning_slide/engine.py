@@ -536,7 +536,6 @@ class SlideEngine:
         """Wait for every queued copy and update (before reading weights or optimizer state): the fp32 masters
         are then whole and current."""
         self.wait_drain_s += self.drain()
-        self.grads.book.lent.clear()  # every update has read its gradient
         for step in self._step_tensors:
             step.fill_(float(self._step))
         self._planes_to_masters()

@@ -2,6 +2,7 @@
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ STEPS = 4
 
 
 def _train_engine(rows: int, steps: int = 2, mode: StepMode = StepMode(clip_norm=1.0),
-                  dtype: torch.dtype = torch.bfloat16, activations: str = "cpu") -> SlideEngine:
-    """A tiny Llama trained `steps` steps of `rows` x 16 tokens by the engine alone (no Lightning)."""
+                  dtype: torch.dtype = torch.bfloat16, activations: str = "cpu",
+                  before_step: Callable[[SlideEngine], None] = lambda engine: None) -> SlideEngine:
+    """A tiny Llama trained `steps` steps of `rows` x 16 tokens by the engine alone (no Lightning); `before_step`
+    runs between each backward and its optimizer step (where Lightning's `on_before_optimizer_step` runs)."""
     model = tiny_model("llama")
     engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), SlideConfig(activations=activations),
                          torch.device("cpu"), dtype, mode)
@@ -27,6 +30,7 @@ def _train_engine(rows: int, steps: int = 2, mode: StepMode = StepMode(clip_norm
         engine.begin_step()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
             model(input_ids=x, labels=x).loss.backward()
+        before_step(engine)
         engine.end_step()
     engine.synchronize()
     return engine
@@ -90,6 +94,21 @@ def test_saved_input_buffers_that_could_not_be_page_locked_lend_no_gradient_home
     assert all(s.grad_acc is not None for s in own.storages)
     assert all(torch.equal(a.master, b.master) for a, b in zip(lent.storages, own.storages))
     lent.close(), own.close()
+
+
+def test_a_state_read_between_the_backward_and_the_step_leaves_the_gradients_buffers_lent_to_their_updates():
+    """A read of the state (`synchronize`) before the optimizer step runs no held gradient's update: the next
+    forward must still wait for those updates before it saves its inputs into the buffers the gradients wait in."""
+    lent_at_read = []
+
+    def read_state(engine: SlideEngine) -> None:
+        engine.synchronize()
+        lent_at_read.append(len(engine.grads.book.lent))
+
+    plain, read = _train_engine(32), _train_engine(32, before_step=read_state)
+    assert lent_at_read and all(n == 4 for n in lent_at_read)  # the three blocks and the head
+    assert all(torch.equal(a.master, b.master) for a, b in zip(plain.storages, read.storages))
+    plain.close(), read.close()
 
 
 def test_gradients_in_saved_input_buffers_train_exactly_as_fp32_sums_of_the_same_gradients():
