@@ -125,17 +125,20 @@ class Window:
     def shrink(self, count: int) -> None:
         """Keep the first `count` ring slots: a larger batch needs the memory of the others back.
 
-        Their memory returns to the compute stream's pool, so that stream first waits for any load still
-        copying into them; the units they held load again when next needed.
+        Their memory returns to the compute stream's pool, so that stream first waits for any copy still using
+        them (loads in, write-backs out: the h2d lane's, `_settle`'s included) and any update writing into them; the
+        units they held load again when next needed.
         """
+        events = []
         for slot in self.ring[count:]:
-            events = [slot.loaded, self._settle(slot, None)]
+            events.append(self._settle(slot, None))
             if slot.unit is not None:
-                events.append(self._write_back(slot, slot.unit))
-            for event in events:
-                if event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(event)
+                self._write_back(slot, slot.unit)
             slot.unit = None
+        events.append(self.h2d.record())
+        for event in events:
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
         del self.ring[count:]
 
     def holding(self, unit: int) -> Slot | None:
