@@ -87,15 +87,20 @@ class SlideEngine:
         self.config, self.device, self.dtype, self.optimizer = config, device, dtype, optimizer
         self.failure = Failure(config.stall_timeout_s)
         self._setup_mode(mode)
-        self._setup_model(root, optimizer)
-        files = self._setup_host_state(root, optimizer)
-        self._setup_lanes()
-        self._setup_optimizer_and_window(files)
-        self._setup_transfer()
-        self._setup_activations()
-        self._setup_step_state()
-        if optimizer is not None:
-            self._bind_optimizer_state()
+        try:
+            self._setup_model(root, optimizer)
+            files = self._setup_host_state(root, optimizer)
+            self._setup_lanes()
+            self._setup_optimizer_and_window(files)
+            self._setup_transfer()
+            self._setup_activations()
+            self._setup_step_state()
+            if optimizer is not None:
+                self._bind_optimizer_state()
+        except BaseException:  # give back what setup took as far as it got: nothing of it outlives the error
+            self._stop_threads()
+            self._release()
+            raise
         for part in self.parts:
             part.module.forward = partial(self._forward, part)
 
@@ -635,24 +640,36 @@ class SlideEngine:
     def close(self) -> None:
         """Finish queued updates, stop the threads, restore the modules, unpin host memory, drop GPU slots."""
         self.failure.finish(self.synchronize)  # bounded after Ctrl-C; skipped after a worker failed
-        if self.pump is not None:
-            self.pump.worker.stop()
-        self.adam.stop()
+        self._stop_threads()
         self._quiesce_after_failure()
         with suppress(RuntimeError):  # after a failure: the parameters are fp32 views again all the same
             self._planes_to_masters()
-        self.adam.close()
-        self.moments.close()
-        self.activations.close()
-        if self.tier is not None:
-            self.tier.close()
-        for part in self.parts:
+        self._release()
+
+    def _stop_threads(self) -> None:
+        """End the copy and optimizer threads after their queued items (those setup made: `vars`, as in
+        `_release`)."""
+        made = vars(self)
+        if made.get("pump") is not None:
+            self.pump.worker.stop()
+        if "adam" in made:
+            self.adam.stop()
+
+    def _release(self) -> None:
+        """Give back what setup took, after the threads have stopped: the updaters' page-locked pages and pools,
+        the disk tier's folder, the modules' own forwards and kernels, page-locked masters, the GPU window. Also
+        after a setup that failed part of the way (`vars`: only what it made)."""
+        made = vars(self)
+        for name in ("adam", "moments", "activations", "tier"):
+            if made.get(name) is not None:
+                made[name].close()
+        for part in made.get("parts", []):
             part.module.__dict__.pop("forward", None)
             if part.own_forward is not None:
                 part.module.forward = part.own_forward
-        if self._kernels is not None:
+        if made.get("_kernels") is not None:
             self._kernels.unpatch()
-        for s in self.storages:
+        for s in made.get("storages", []):
             s.release()
         self.window = None  # type: ignore[assignment]
 

@@ -8,7 +8,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 import lightning_slide.layer_adam as layer_adam
-from lightning_slide import SlideConfig, SlidePrecision, SlideStrategy
+from lightning_slide import SlideConfig, SlideEngine, SlidePrecision, SlideStrategy
 from lightning_slide.threads import WorkerError
 from tests.runtime.helpers import CausalLM, tiny_model, token_batches, trainer
 
@@ -143,3 +143,25 @@ def test_accumulation_that_starts_unannounced_during_fit_is_refused():
         trainer("slideformer", -1, max_epochs=2, callbacks=[AccumulateFromTheSecondEpoch()]).fit(
             CausalLM(tiny_model()), DataLoader(token_batches(4), batch_size=None))
 
+
+
+def test_a_setup_that_fails_part_of_the_way_leaves_no_thread_folder_or_patched_module_behind(tmp_path, monkeypatch):
+    """The engine has started its optimizer thread, made the disk tier's folder and patched the MLPs when the copy
+    thread's setup fails: the error comes out, and nothing of the setup outlives it."""
+    import threading
+
+    import lightning_slide.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure in setup")
+
+    monkeypatch.setattr(engine_module, "GradPump", broken)
+    model = tiny_model("llama")
+    forwards = {name: (type(m), m.forward) for name, m in model.named_modules()}
+    config = SlideConfig(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, mlp_tile_tokens=8)
+    threads = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="injected failure in setup"):
+        SlideEngine(model, torch.optim.AdamW(model.parameters()), config, torch.device("cpu"), torch.float32)
+    assert set(threading.enumerate()) <= threads
+    assert list(tmp_path.iterdir()) == []
+    assert {name: (type(m), m.forward) for name, m in model.named_modules()} == forwards
