@@ -571,7 +571,7 @@ class SlideEngine:
         if not any(h.planes for h in self._halves):
             return
         start = time.perf_counter()
-        self.window.write_back()
+        self.window.write_back(settle=self.failure.error is None)
         self.adam.on_device.convert(self._halves, planes=False)
         self.planes_s += time.perf_counter() - start
 
@@ -642,7 +642,7 @@ class SlideEngine:
         self.failure.finish(self.synchronize)  # bounded after Ctrl-C; skipped after a worker failed
         self._stop_threads()
         self._quiesce_after_failure()
-        with suppress(RuntimeError):  # after a failure: the parameters are fp32 views again all the same
+        with suppress(RuntimeError):  # a CUDA error that failed the run fails this too: the failure is reported
             self._planes_to_masters()
         self._release()
 

@@ -232,13 +232,16 @@ class Window:
         self.written_back_bytes += n * slot.params.element_size()
         return halves.written_back
 
-    def write_back(self) -> None:
+    def write_back(self, settle: bool = True) -> None:
         """Every slot's weights that its unit's weights plane lacks, to the host (then wait for them): before the
-        masters turn back into fp32."""
+        masters turn back into fp32. `settle`: first wait for the updates still writing into slots; not after a
+        worker failed, when no more will be queued and the device has finished those that were (the planes then
+        hold each unit's newest weights that an update wrote)."""
         for slot in [*self.ring, *self.dedicated.values()]:
             if slot.unit is not None:
-                if slot.pending_write is not None:
+                if slot.pending_write is not None and settle:
                     self._settle(slot, slot.unit)
+                slot.pending_write = None
                 self._write_back(slot, slot.unit)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -129,6 +129,34 @@ def test_blocks_whose_updates_the_first_micro_batch_hides_go_back_to_the_cpu_as_
         engine.close()
 
 
+@pytest.mark.parametrize("slots", [2, 8], ids=["blocks-slide", "all-resident"])
+def test_after_a_failed_update_closing_turns_the_planes_back_into_fp32_masters(slots, monkeypatch):
+    """The updater fails in the second step: the error comes out, and closing still joins every master (each
+    unit as its last update left it, none a plane's bytes read as fp32)."""
+    from lightning_slide.threads import WorkerError
+
+    engine, model = _engine(True, "int8", StepMode(), monkeypatch, slots=slots)
+    _steps(engine, model, 1)
+    engine.synchronize()
+    before = [s.master.clone() for s in engine.storages]
+    _steps(engine, model, 1)  # planes again, from its first forward
+    chunk, calls = device_update.DeviceUpdater._chunk, []
+
+    def fails_midway(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) > 2:
+            raise FloatingPointError("injected failure in the GPU update")
+        return chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(device_update.DeviceUpdater, "_chunk", fails_midway)
+    with pytest.raises(WorkerError, match="injected failure"):
+        _steps(engine, model, 2)
+        engine.synchronize()
+    engine.close()
+    assert not any(s.halves.planes for s in engine.storages if s.halves is not None)
+    assert all((s.master - b).abs().max() < 0.1 for s, b in zip(engine.storages, before))
+
+
 def test_a_slot_given_up_is_written_back_to_its_plane_before_it_takes_another_unit(monkeypatch):
     """Two slots for three blocks: each forward gives up slots that updates wrote the newest weights into."""
     engine, model = _engine(True, "int8", StepMode(), monkeypatch, slots=2, arch="llama")
