@@ -394,7 +394,7 @@ class DeviceUpdater:
                             self._pinned.append(t)
 
     def close(self) -> None:
-        """Unlock what `pin` locked (after the device has finished with it)."""
+        """Unlock what `serve` locked (after the device has finished with it)."""
         for t in self._pinned:
             unpin_(t)
         self._pinned.clear()
@@ -479,8 +479,6 @@ class DeviceUpdater:
             m.values.copy_(v, non_blocking=True)
             if s is not None:
                 m.scales.copy_(s, non_blocking=True)
-        if storage.shadow is not None:
-            storage.shadow[start : start + n].copy_(gm, non_blocking=True)
 
     def _master_up(self, room: _Buffers, master: torch.Tensor, halves: MasterHalves | None, start: int,
                    weights: torch.Tensor | None) -> torch.Tensor:

@@ -638,7 +638,8 @@ class SlideEngine:
         }
 
     def close(self) -> None:
-        """Finish queued updates, stop the threads, restore the modules, unpin host memory, drop GPU slots."""
+        """Finish queued updates, stop the threads, restore the modules, unpin host memory (the GPU's buffers go
+        with the engine)."""
         self.failure.finish(self.synchronize)  # bounded after Ctrl-C; skipped after a worker failed
         self._stop_threads()
         self._quiesce_after_failure()

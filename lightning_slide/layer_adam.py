@@ -265,8 +265,9 @@ class LayerAdam:
     CPU, one for those updated on the GPU (`on_device`), so that neither kind waits in the other's queue (behind a
     CPU backlog, a GPU block's update would start only once the CPU's ahead of it had ended).
 
-    `scheduled[u]` counts updates launched for unit u, `applied[u]` those finished: a unit's weights may be
-    loaded for compute only when the two agree.
+    `scheduled[u]` counts updates launched for unit u, `applied[u]` those the CPU has finished or the GPU has been
+    given (queued on its lanes; `landed[u]` is the event after the last): a unit's weights may be loaded for compute
+    only when the two agree, and on the device after `landed[u]`.
     """
 
     def __init__(self, storages: list[UnitStorage], moments: Moments, failure: Failure,
@@ -324,7 +325,8 @@ class LayerAdam:
         return self.on_device is not None and unit in self.on_device.units
 
     def ready(self, unit: int) -> bool:
-        """Every update launched for `unit` is applied: loading it now would not wait."""
+        """Every update launched for `unit` is applied, or queued on the GPU (a load then waits for `landed` on the
+        device, not on the host)."""
         return self.applied[unit] >= self.scheduled[unit]
 
     def wait_applied(self, unit: int) -> float:

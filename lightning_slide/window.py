@@ -157,12 +157,11 @@ class Window:
     def claim(self, unit: int) -> SlotWrite | None:
         """The slot holding `unit`, for the unit's update (already scheduled) to write the new weights into where
         that update runs on the GPU: the slot holds that update's version from now on, and its next use waits for
-        the writes. None where the update runs on the CPU or no slot holds the unit."""
+        the writes. None where the update runs on the CPU or no slot holds the unit. The unit's forward has settled
+        its earlier claim (`ensure`); were one left, its writes would still come first, on the updater's lanes."""
         slot = self.holding(unit)
         if not self.adam.updates_on_device(unit) or slot is None or slot.unit != unit:
             return None
-        if slot.pending_write is not None:  # an earlier update's writes, not yet settled (the update has ended)
-            self._settle(slot, unit)
         write = SlotWrite(slot.params[: self.storages[unit].trainable_numel], slot.params_free)
         slot.version, slot.pending_write = self.adam.scheduled[unit], (unit, write)
         return write
