@@ -388,7 +388,7 @@ class SlideEngine:
         self._measured_norm = GlobalNorm(max_norm)
         for unit in sorted(book.stepped):
             self._measured_norm.add(book.holding[unit], unit)
-        book.norms_measured = True  # until a backward adds to the sums
+        book.measured = set(book.stepped)  # until a backward adds to the sums
         return math.sqrt(self._measured_norm.host)
 
     def begin_step(self) -> None:
@@ -398,8 +398,10 @@ class SlideEngine:
         clip, self._clip_once = self._clip_once or self.clip_norm, None
         measured, self._measured_norm = self._measured_norm, None
         plan = self.grads.book.plan = snapshot(self.optimizer, self._step + 1, clip)
-        if measured is not None and self.grads.book.norms_measured:
+        if measured is not None and self.grads.book.measured == self.grads.book.stepped:
             plan.norm = measured
+        else:  # the step measures afresh what its window's last backward does not
+            self.grads.book.measured.clear()
         if not self.deferred and not self._reads_planned:  # the order this step's backward hands units over
             self.moments.plan(self.grads.update_order)
             self._reads_planned = True
@@ -430,11 +432,11 @@ class SlideEngine:
             raise RuntimeError(f"The backward did not reach units {missing}: their parameters got no gradient.")
         if not book.stepped:
             return
-        units, measured = book.end_step()
+        units, unmeasured = book.end_step()
         self._reads_planned = False
         self._step += 1
         if self.deferred:
-            self._launch_deferred(plan, units, norm_of_sums=not measured)
+            self._launch_deferred(plan, units, unmeasured)
         book.holding.clear()  # eager accumulation: the updates read the sums themselves
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
@@ -504,19 +506,19 @@ class SlideEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._adapted = False
 
-    def _launch_deferred(self, plan: StepPlan, units: list[int], norm_of_sums: bool = False) -> None:
+    def _launch_deferred(self, plan: StepPlan, units: list[int], unmeasured: list[int]) -> None:
         """All gradients summed on the host: clip by the global norm, then update `units` (those that got a
         gradient in this window; AdamW skips the others) in forward order.
 
         The norm comes with the window's last gradients: a unit's only gradient of the window is measured on the
-        device by the copy thread, a sum of several by the optimizer thread as it adds the last; when they came
-        before the step was known (manual optimization) or that backward was skipped, `norm_of_sums` measures the
-        sums here instead.
+        device by the copy thread, a sum of several by the optimizer thread as it adds the last; the sums of the
+        `unmeasured` units (their last gradient came before the step was known, in manual optimization or a
+        skipped backward, or the window's last backward did not reach them) are measured here instead.
         """
         self.wait_drain_s += self.drain()
         holding = self.grads.book.holding
         if plan.norm is not None:
-            plan.norm.finish(self.d2h, {u: holding[u] for u in units} if norm_of_sums else {})
+            plan.norm.finish(self.d2h, {u: holding[u] for u in unmeasured})
             if not plan.norm.finite:
                 self._warn_nonfinite(plan.norm)
         self.moments.plan(units)

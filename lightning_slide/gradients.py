@@ -46,7 +46,7 @@ class Bookkeeping:
     plan: StepPlan | None = None  # this step's hyperparameters, once the step is known
     stepped: set[int] = field(default_factory=set)  # units that got a gradient since the last optimizer step
     holding: dict[int, torch.Tensor] = field(default_factory=dict)  # unit -> where its gradient waits
-    norms_measured: bool = False  # the final sums were measured as they came (they came under a plan)
+    measured: set[int] = field(default_factory=set)  # units whose gradient the step's norm measured as it came
     lent: dict[int, int] = field(default_factory=dict)  # data_ptr of a saved-input buffer -> unit it holds
 
     def __post_init__(self) -> None:
@@ -66,11 +66,13 @@ class Bookkeeping:
         self.written.clear()
         self.receiving.clear()
 
-    def end_step(self) -> tuple[list[int], bool]:
-        """The units that got a gradient since the last step (sorted), and whether their norms were measured."""
-        units, measured = sorted(self.stepped), self.norms_measured
-        self.stepped, self.norms_measured = set(), False
-        return units, measured
+    def end_step(self) -> tuple[list[int], list[int]]:
+        """The units that got a gradient since the last step, and those of them whose gradient the step's norm has
+        not measured (sorted): their last gradient came before the step was known, or a later micro-batch of the
+        window did not reach them."""
+        units, unmeasured = sorted(self.stepped), sorted(self.stepped - self.measured)
+        self.stepped, self.measured = set(), set()
+        return units, unmeasured
 
 
 class GradRouter:
@@ -141,7 +143,10 @@ class GradRouter:
         if update:
             self.adam.schedule(unit)
         book.stepped.add(unit)
-        book.norms_measured = book.plan is not None
+        if book.plan is not None:  # measured as it leaves (or as it is added to the sums)
+            book.measured.add(unit)
+        else:  # the sums change after any measure taken
+            book.measured.discard(unit)
         buffer = book.receiving.pop(unit)
         buffer.idle.clear()
         book.written.difference_update(id(p) for p in storage.params)

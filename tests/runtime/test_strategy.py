@@ -154,6 +154,25 @@ def test_a_unit_without_a_gradient_is_left_as_adamw_leaves_it(window):
     assert torch.equal(ours.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
+class EmbedsOutsideEveryOtherBatch(CausalLM):
+    """Odd batches feed inputs_embeds made without the model's embedding: in a window of two, the embedding's
+    gradient comes from the first micro-batch only."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx % 2 == 0:
+            return super().training_step(batch, batch_idx)
+        g = torch.Generator().manual_seed(batch_idx)
+        embeds = torch.randn(*batch.shape, self.model.config.hidden_size, generator=g)
+        return self.model(inputs_embeds=embeds, labels=batch).loss
+
+
+def test_a_clipped_window_measures_the_sums_of_units_its_last_micro_batch_did_not_reach():
+    model = tiny_model("llama")
+    lightning, ours = _lightning_and_ours(lambda: EmbedsOutsideEveryOtherBatch(copy.deepcopy(model)),
+                                          token_batches(6), 3, accumulate=2, clip=0.05)
+    assert relative_difference(lightning.model, ours.model) <= 1e-6
+
+
 class Generates(CausalLM):
     """Greedy samples with a KV cache from inside validation, as a run that prints samples does."""
 
