@@ -243,7 +243,8 @@ class LinkedLastCheckpoint(ModelCheckpoint):
     Lightning 2.6 links last.ckpt to the newest file it saved, also at a validation that saved none
     (val/loss did not improve): last.ckpt then holds an older step, and a resume from it loses the steps
     since. Here such a validation writes last.ckpt itself, the one full file of that step; one that saved
-    a top-k file makes last.ckpt a relative symlink to it. Links are replaced atomically, and a top-k file
+    a top-k file makes last.ckpt a relative symlink to it; and a fit that ends between validations writes
+    last.ckpt at its last step. Links are replaced atomically, and a top-k file
     that last.ckpt points to is removed only after last.ckpt points to the newer one, so a crash at any
     point leaves a last.ckpt to resume from. Other `save_last` values behave exactly as Lightning's.
     """
@@ -254,6 +255,14 @@ class LinkedLastCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         if self.save_last == "link" and not self._last_checkpoint_saved and trainer.ckpt_path:
             self._last_checkpoint_saved = str(trainer.ckpt_path)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fit that ends between validations writes last.ckpt at its last step (the base class writes it at the
+        end only where the run, or the run it resumed, saved nothing: a resume from it would lose those steps)."""
+        if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        else:
+            super().on_train_end(trainer, pl_module)
 
     def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:

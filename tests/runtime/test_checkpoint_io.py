@@ -291,6 +291,24 @@ def test_a_run_resumed_from_the_last_link_continues_exactly_and_keeps_last_curre
     assert _layout(folder) == {"epoch=1-step=4.ckpt": "step 4", "last.ckpt": "step 8"}
 
 
+def test_a_resumed_fit_that_ends_before_its_first_validation_leaves_last_at_its_last_step(tmp_path):
+    """Validations every 2 steps; the first fit stops at 4 (last.ckpt links to step 4's file), the resumed one at 5,
+    before its first validation: last.ckpt holds step 5 (Lightning's own would still point to step 4)."""
+    folder, batches = tmp_path / "checkpoints", token_batches(8)
+
+    def fit_to(steps: int, ckpt_path: str | None = None) -> None:
+        checkpoints = LinkedLastCheckpoint(folder, monitor="val_loss", save_top_k=1, save_last="link")
+        run = trainer("slideformer", steps, enable_checkpointing=True, callbacks=[checkpoints], limit_val_batches=1,
+                      val_check_interval=2, check_val_every_n_epoch=None)
+        run.fit(_ScriptedValidation(tiny_model("llama"), {2: 1.0, 4: 0.5}), DataLoader(batches, batch_size=None),
+                DataLoader(batches[:1], batch_size=None), ckpt_path=ckpt_path)
+
+    fit_to(4)
+    assert _layout(folder) == {"epoch=0-step=4.ckpt": "step 4", "last.ckpt": "-> epoch=0-step=4.ckpt"}
+    fit_to(5, str(folder / "last.ckpt"))
+    assert _layout(folder) == {"epoch=0-step=4.ckpt": "step 4", "last.ckpt": "step 5"}
+
+
 def test_train_py_writes_checkpoints_to_checkpoint_dirpath_with_last_a_link(tmp_path):
     import runpy
 
