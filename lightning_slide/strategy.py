@@ -217,8 +217,10 @@ class SlideStrategy(SingleDeviceStrategy):
             raise ValueError(
                 "slideformer clips by the global gradient norm only: use gradient_clip_algorithm='norm'."
             )
-        if trainer.gradient_clip_val and is_overridden("configure_gradient_clipping", module):
-            rank_zero_warn("slideformer clips in its engine; your configure_gradient_clipping override is not used.")
+        if module.automatic_optimization and is_overridden("configure_gradient_clipping", module):
+            rank_zero_warn("slideformer clips in its engine, by the global norm at Trainer(gradient_clip_val=...): "
+                           "your configure_gradient_clipping override is not used (its clip_gradients calls do "
+                           "nothing). Set gradient_clip_val to clip.")
 
     @staticmethod
     def _accumulates(trainer: Trainer) -> bool:

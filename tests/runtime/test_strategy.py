@@ -106,6 +106,18 @@ def test_clip_gradients_in_manual_optimization_clips_that_step_as_with_lightning
     assert relative_difference(lightning.model, ours.model) <= 1e-6
 
 
+class ClipsItself(CausalLM):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, 0.05, "norm")
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["without-gradient-clip-val", "with-it"])
+def test_a_configure_gradient_clipping_override_is_said_to_be_unused_naming_gradient_clip_val(clip):
+    with pytest.warns(UserWarning, match="configure_gradient_clipping override is not used.*gradient_clip_val"):
+        trainer("slideformer", 1, clip=clip).fit(ClipsItself(tiny_model("llama")),
+                                                 DataLoader(token_batches(1), batch_size=None))
+
+
 def test_clipping_by_value_in_manual_optimization_is_refused():
     with pytest.raises(ValueError, match="global gradient norm only"):
         trainer("slideformer", 1).fit(ManualVariants(tiny_model(), clip="value"),
