@@ -382,11 +382,11 @@ def _moments_on_disk(shape: ModelShape, setup: Setup) -> list[int]:
     return disk_units([u.trainable for u in shape.units], setup.config.nvme_moments or 0.0)
 
 
-def fit_moments(shape: ModelShape, setup: Setup, resources: Resources, reserved: int = 0) -> float:
-    """The least fraction of the moments on disk (whole units) that leaves the host's headroom free, with
-    `reserved` bytes of host memory set aside for what the batch will need."""
+def fit_moments(shape: ModelShape, setup: Setup, resources: Resources) -> float:
+    """The least fraction of the moments on disk (whole units) whose static plan leaves the host's headroom free.
+    What the micro-batches need besides is not known yet: the first is checked before its forward (`check_batch`)."""
     trainable = [u.trainable for u in shape.units]
-    total, budget = sum(trainable), resources.free("host") - reserved
+    total, budget = sum(trainable), resources.free("host")
     placed = 0
     for n in [0, *trainable]:
         placed += n

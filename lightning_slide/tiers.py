@@ -303,7 +303,6 @@ class TierDirectory:
                                 "nvme_path at a directory on a local disk you can write to.") from error
         kvikio = _kvikio()
         self.io = _Kvikio(kvikio) if kvikio is not None else _Posix()
-        self.backend = backend_name()
         self.files: list[DiskFile] = []
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
 
@@ -429,7 +428,7 @@ class Spill:
             self.reader.put(key)
 
     def take(self, key: Hashable) -> torch.Tensor:
-        """The buffer holding `key`'s bytes (its index is `buffer_index`), once read."""
+        """The buffer holding `key`'s bytes, once read."""
         if not self._expected or self._expected[0] != key:
             nxt = self._expected[0] if self._expected else None
             raise RuntimeError(f"slideformer {self.name}: {key!r} taken out of the planned order (next: {nxt!r}).")
