@@ -64,7 +64,8 @@ class SlideConfig:
         index order) instead of RAM; None lets the strategy choose the least that fits the free RAM.
     nvme_master: with offload="nvme", the units whose moments are on disk keep their fp32 master weights in
         the same file too (read ahead and written behind with the moments by each update), and only a pinned
-        copy in the compute dtype in RAM, which loads read: 2 bytes of RAM per such parameter instead of 4 + 8.
+        copy in the compute dtype in RAM, which loads read: 2 bytes of RAM per such parameter instead of the
+        master's 4 under bf16 (none saved under 32-true, where the copy is fp32 too).
         For machines whose disk is much larger than their RAM; every update then also moves the master.
     gds: with activations on disk, whether their staging buffers are GPU memory that kvikio moves straight to
         and from the files ("auto": where kvikio runs GPUDirect Storage; "on": wherever kvikio is installed and

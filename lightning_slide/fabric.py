@@ -2,7 +2,7 @@
 
 Fabric loops look like plain PyTorch: `fabric.backward(loss)` comes before the loop decides whether this is
 the step's last micro-batch, so the engine runs as under the Trainer's manual optimization
-(`StepMode(manual=True)`): every backward adds its gradients into fp32 sums on the host, and
+(`StepMode(accumulates=True, manual=True)`): every backward adds its gradients into fp32 sums on the host, and
 `optimizer.step()` clips (if `fabric.clip_gradients` asked for it; that call returns the global norm) and updates
 every unit on the CPU.
 Gradient accumulation therefore needs nothing but several backwards before a step

@@ -166,19 +166,17 @@ class SlideStrategy(SingleDeviceStrategy):
         config = self._plan_memory(trainer, module, optimizer, precision.compute_dtype)
         self.engine = SlideEngine(module, optimizer, config, self.root_device, precision.compute_dtype, self.mode)
         precision.engine, precision.automatic = self.engine, module.automatic_optimization
-        self._hooks = self._state_hooks(module)
+        self._hooks = self._state_hooks()
         self.setup_precision_plugin()
 
-    def _state_hooks(self, module: LightningModule) -> list[RemovableHandle]:
+    def _state_hooks(self) -> list[RemovableHandle]:
         """A callback's `state_dict()` of the module (or of the model in it) waits for the updates and reads fp32
         masters (those the GPU updates are planes while training runs: `master_halves`); its `load_state_dict()`
-        reloads the window."""
-        hooks = []
-        for m in {module, self.engine.model}:
-            hooks += [m.register_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
-                      m.register_load_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
-                      m.register_load_state_dict_post_hook(lambda *_: self.engine.master_changed())]
-        return hooks
+        reloads the window. On the model only: torch runs a module's state hooks also for a call on a parent."""
+        model = self.engine.model
+        return [model.register_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+                model.register_load_state_dict_pre_hook(lambda *_: self.engine.synchronize()),
+                model.register_load_state_dict_post_hook(lambda *_: self.engine.master_changed())]
 
     def _plan_memory(self, trainer: Trainer, module: LightningModule, optimizer: Any,
                      dtype: torch.dtype) -> SlideConfig:

@@ -14,6 +14,7 @@ from tests.runtime.helpers import (
     CausalLM,
     EmbedsOutside,
     SkipsBatches,
+    fit,
     param_groups,
     reference,
     relative_difference,
@@ -245,6 +246,35 @@ def test_after_fit_the_model_is_an_ordinary_cpu_module_again():
     x = batches[0]
     torch.testing.assert_close(module.model(input_ids=x).logits, twin(input_ids=x).logits, rtol=0, atol=0)
     assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+
+
+def test_a_callbacks_state_read_and_load_of_the_module_mid_fit_synchronize_once_and_reload_the_window_once(
+        monkeypatch):
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_slide import SlideEngine
+
+    calls = []
+    for name in ("synchronize", "master_changed"):
+        monkeypatch.setattr(SlideEngine, name, _counted(getattr(SlideEngine, name), name, calls))
+
+    class ReloadsTheModule(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            calls.clear()
+            pl_module.load_state_dict(pl_module.state_dict())
+            seen.append(list(calls))
+
+    seen = []
+    fit(tiny_model("llama"), token_batches(2), "slideformer", 2, callbacks=[ReloadsTheModule()])
+    # the read; the load: before, after (which reloads the window from the synchronized masters)
+    assert seen == [["synchronize", "synchronize", "master_changed", "synchronize"]] * 2
+
+
+def _counted(method, name: str, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(name)
+        return method(self, *args, **kwargs)
+    return counted
 
 
 def test_lr_schedulers_see_the_optimizer_step():
