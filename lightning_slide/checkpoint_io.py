@@ -170,6 +170,12 @@ def _os_error(error: BaseException) -> OSError | None:
     return None
 
 
+def _temporary(path: str) -> str:
+    """Where `path` is written before the rename that puts it in place: this process's, named as `_TEMPORARY`
+    reads it."""
+    return f"{path}.tmp-{os.getpid()}@{socket.gethostname()}"
+
+
 def _remove_if_there(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
@@ -200,7 +206,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         checkpoint = exact_storages(checkpoint)
         needed = tensor_bytes(checkpoint) + OVERHEAD_BYTES + OVERHEAD_PER_TENSOR * len(_tensors(checkpoint))
         check_free_space(folder, needed, path)
-        tmp = f"{path}.tmp-{os.getpid()}@{socket.gethostname()}"
+        tmp = _temporary(path)
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
@@ -287,7 +293,7 @@ class LinkedLastCheckpoint(ModelCheckpoint):
 def _replace_with_link(target: str, linkpath: str) -> None:
     """Point `linkpath` at `target` in one rename: a relative symlink, or a hard link where the filesystem
     has no symlinks (never a copy)."""
-    tmp = f"{linkpath}.tmp-{os.getpid()}@{socket.gethostname()}"
+    tmp = _temporary(linkpath)
     if os.path.isdir(linkpath) and not os.path.islink(linkpath):
         shutil.rmtree(linkpath)
     try:

@@ -34,9 +34,9 @@ from lightning_slide.config import SlideConfig
 from lightning_slide.engine import SlideEngine
 from lightning_slide.materialize import meta_parameters
 from lightning_slide.planner import Plan
-from lightning_slide.precision import SUPPORTED, SlidePrecision, _unsupported
+from lightning_slide.precision import SUPPORTED, SlidePrecision, _unsupported, adopted
 from lightning_slide.step_mode import StepMode
-from lightning_slide.strategy import SlideStrategy, _token_shape
+from lightning_slide.strategy import SlideStrategy, _token_shape, refuse_compiled
 
 #: Fabric decides nothing ahead of the loop: every backward adds to fp32 host sums, updates wait for the step.
 FABRIC_MODE = StepMode(accumulates=True, clip_norm=None, manual=True)
@@ -62,11 +62,7 @@ class SlideFabricPrecision(Precision):
     @classmethod
     def adopt(cls, plugin: Precision) -> SlideFabricPrecision:
         """Turn the plugin Fabric built from `Fabric(precision=...)` into ours, or say why not."""
-        if isinstance(plugin, SlideFabricPrecision):
-            return plugin
-        if type(plugin) in (Precision, MixedPrecision, HalfPrecision):
-            return cls(str(plugin.precision))
-        raise ValueError(f"The slideformer strategy cannot use the {type(plugin).__name__} plugin. {_unsupported('')}")
+        return adopted(cls, plugin, (Precision, MixedPrecision, HalfPrecision))
 
 
 class SlideFabricStrategy(SingleDeviceStrategy):
@@ -179,8 +175,7 @@ class SlideFabricStrategy(SingleDeviceStrategy):
                              f"{len(self.parallel_devices)}: pass Fabric(devices=1).")
         if self.engine is not None:
             raise RuntimeError("The slideformer strategy trains one model: it was already set up in this Fabric.")
-        if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
-            raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
+        refuse_compiled(module)
         self.precision.device_type = self.root_device.type
         rank_zero_info(f"slideformer steps: {self.mode.describe()}")
         config = self._plan_memory(module, optimizer)

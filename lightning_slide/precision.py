@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.utilities.types import Steppable
@@ -21,6 +21,7 @@ import lightning_slide.engine as engine_module
 from lightning_slide.planner import SMALLER_TOKENS
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
+P = TypeVar("P")
 OUT_OF_MEMORY = (
     "slideformer: the GPU ran out of memory in a step whose plan fit at setup. To fit, change: recompute='always' "
     "(kept graphs fill the VRAM the first step left spare), a fixed slots=N (slots='auto' grows into it too), "
@@ -42,11 +43,7 @@ class SlidePrecision(Precision):
     @classmethod
     def adopt(cls, plugin: Precision) -> SlidePrecision:
         """Turn the plugin Lightning built from `Trainer(precision=...)` into ours, or say why not."""
-        if isinstance(plugin, SlidePrecision):
-            return plugin
-        if type(plugin) in (Precision, MixedPrecision, HalfPrecision):
-            return cls(str(plugin.precision))
-        raise ValueError(f"The slideformer strategy cannot use the {type(plugin).__name__} plugin. {_unsupported('')}")
+        return adopted(cls, plugin, (Precision, MixedPrecision, HalfPrecision))
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -94,6 +91,16 @@ class SlidePrecision(Precision):
         if GradClipAlgorithmType(gradient_clip_algorithm) != GradClipAlgorithmType.NORM:
             raise ValueError("slideformer clips by the global gradient norm only: use gradient_clip_algorithm='norm'.")
         self.engine.clip_next(float(clip_val))
+
+
+def adopted(cls: type[P], plugin: object, plain: tuple[type, ...]) -> P:
+    """`plugin` as a `cls`: itself, or a new one of its precision where Lightning built one of the `plain` plugins
+    from a precision flag; any other plugin is refused."""
+    if isinstance(plugin, cls):
+        return plugin
+    if type(plugin) in plain:
+        return cls(str(plugin.precision))
+    raise ValueError(f"The slideformer strategy cannot use the {type(plugin).__name__} plugin. {_unsupported('')}")
 
 
 def _unsupported(precision: str) -> str:

@@ -63,6 +63,11 @@ def _token_shape(batch: Any) -> tuple[int, int] | None:
     return found[0] if found else None
 
 
+def refuse_compiled(module: torch.nn.Module) -> None:
+    if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
+        raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
+
+
 class SlideStrategy(SingleDeviceStrategy):
     """Full-parameter training of a causal LM larger than the GPU: layers slide through a GPU window.
 
@@ -209,8 +214,7 @@ class SlideStrategy(SingleDeviceStrategy):
         return config
 
     def _validate(self, trainer: Trainer, module: LightningModule) -> None:
-        if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules()):
-            raise ValueError("torch.compile is not supported with slideformer (the engine drives each layer itself).")
+        refuse_compiled(module)
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ValueError(
                 "slideformer clips by the global gradient norm only: use gradient_clip_algorithm='norm'."
