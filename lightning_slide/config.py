@@ -90,7 +90,8 @@ class SlideConfig:
         as many of those as the step's compute does not hide anyway (at a bf16 matmul rate it also measures:
         large steps keep the link for loads); "auto" also gives the GPU the embedding's update where it ends
         sooner there (the next forward's first need), which a count leaves on the CPU; 0: every fp32 update on
-        the CPU. Compact moments are always updated on the GPU where there is one.
+        the CPU, as with amsgrad (its running maximum lives on the host). Compact moments are always updated on
+        the GPU where there is one.
     master_bits: how many bits of the fp32 master weights the units the GPU updates keep while they train. 32:
         the fp32 master, exact (on the host as planes: the bf16 weights, the low 16 bits and a parity bit,
         `master_halves`). 24 (opt-in, not exact): after each update the master is rounded stochastically to 24 bits
