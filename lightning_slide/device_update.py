@@ -343,6 +343,29 @@ class _Buffers:
         return 4 * n + planes + 2 * stored * n + scales + 2 * 4 * n + work + 4 * n + 4 * n + noise
 
 
+def _planes_up(room: _Buffers, halves: MasterHalves, start: int, n: int, with_weights: bool) -> torch.Tensor:
+    """Elements [start, start + n) of a master's planes copied into `room`: the low halves, the weights where the
+    slot does not hold them, and the parities (returned)."""
+    for at, host_weights, host_low in halves.pieces(start, start + n):
+        piece = slice(at - start, at - start + host_low.numel())
+        room.low[piece].copy_(host_low, non_blocking=True)
+        if with_weights:
+            room.weights[piece].copy_(host_weights, non_blocking=True)
+    parity = slice(start // 8, start // 8 + parity_bytes(n))
+    return room.parity[: parity_bytes(n)].copy_(halves.parity[parity], non_blocking=True)
+
+
+def _planes_back(room: _Buffers, halves: MasterHalves, start: int, n: int, with_weights: bool) -> None:
+    """`_planes_up`'s way back: `room`'s planes of elements [start, start + n) into the host's."""
+    for at, host_weights, host_low in halves.pieces(start, start + n):
+        piece = slice(at - start, at - start + host_low.numel())
+        host_low.copy_(room.low[piece], non_blocking=True)
+        if with_weights:
+            host_weights.copy_(room.weights[piece], non_blocking=True)
+    parity = slice(start // 8, start // 8 + parity_bytes(n))
+    halves.parity[parity].copy_(room.parity[: parity_bytes(n)], non_blocking=True)
+
+
 class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
@@ -487,13 +510,7 @@ class DeviceUpdater:
         n = master.numel()
         if halves is None:
             return room.master[:n].copy_(master, non_blocking=True)
-        for at, host_weights, host_low in halves.pieces(start, start + n):
-            piece = slice(at - start, at - start + host_low.numel())
-            room.low[piece].copy_(host_low, non_blocking=True)
-            if weights is None:
-                room.weights[piece].copy_(host_weights, non_blocking=True)
-        bytes_ = slice(start // 8, start // 8 + parity_bytes(n))
-        parity = room.parity[: parity_bytes(n)].copy_(halves.parity[bytes_], non_blocking=True)
+        parity = _planes_up(room, halves, start, n, with_weights=weights is None)
         return self.planes.join(room.weights[:n] if weights is None else weights, room.low[:n], parity,
                                 room.master[:n])
 
@@ -508,15 +525,9 @@ class DeviceUpdater:
             if weights is not None:
                 weights.copy_(gm)
             return
-        parity = room.parity[: parity_bytes(n)]
-        self.planes.split(gm, room.weights[:n] if weights is None else weights, room.low[:n], parity,
-                          halves.seed(step), start)
-        for at, host_weights, host_low in halves.pieces(start, start + n):
-            piece = slice(at - start, at - start + host_low.numel())
-            host_low.copy_(room.low[piece], non_blocking=True)
-            if weights is None:
-                host_weights.copy_(room.weights[piece], non_blocking=True)
-        halves.parity[start // 8 : start // 8 + parity_bytes(n)].copy_(parity, non_blocking=True)
+        self.planes.split(gm, room.weights[:n] if weights is None else weights, room.low[:n],
+                          room.parity[: parity_bytes(n)], halves.seed(step), start)
+        _planes_back(room, halves, start, n, with_weights=weights is None)
 
     def convert(self, units: Sequence[MasterHalves], planes: bool, step: int = 0) -> None:
         """Turn the fp32 masters of `units` into planes (`planes`; 24 bits of them rounded with the noise of `step`),
@@ -537,19 +548,14 @@ class DeviceUpdater:
 
     def _convert_chunk(self, room: _Buffers, halves: MasterHalves, a: int, b: int, planes: bool, step: int) -> None:
         """One chunk of `convert`, on the current lane."""
-        n, bytes_ = b - a, slice(a // 8, a // 8 + parity_bytes(b - a))
-        ((_, host_weights, host_low),) = halves.pieces(a, b)
-        master, weights, low, parity = room.master[:n], room.weights[:n], room.low[:n], room.parity[: parity_bytes(n)]
+        n = b - a
+        master, weights, low = room.master[:n], room.weights[:n], room.low[:n]
         if planes:
             master.copy_(halves.master[a:b], non_blocking=True)
-            self.planes.split(master, weights, low, parity, halves.seed(step), a)
-            host_weights.copy_(weights, non_blocking=True)
-            host_low.copy_(low, non_blocking=True)
-            halves.parity[bytes_].copy_(parity, non_blocking=True)
+            self.planes.split(master, weights, low, room.parity[: parity_bytes(n)], halves.seed(step), a)
+            _planes_back(room, halves, a, n, with_weights=True)
         else:
-            weights.copy_(host_weights, non_blocking=True)
-            low.copy_(host_low, non_blocking=True)
-            parity.copy_(halves.parity[bytes_], non_blocking=True)
+            parity = _planes_up(room, halves, a, n, with_weights=True)
             halves.master[a:b].copy_(self.planes.join(weights, low, parity, master), non_blocking=True)
 
     def _decode(self, room: _Buffers, values: list[torch.Tensor], scales: list[torch.Tensor | None],
