@@ -644,7 +644,7 @@ class SlideEngine:
         with the engine)."""
         self.failure.finish(self.synchronize)  # bounded after Ctrl-C; skipped after a worker failed
         self._stop_threads()
-        self._quiesce_after_failure()
+        self._quiesce()
         with suppress(RuntimeError):  # a CUDA error that failed the run fails this too: the failure is reported
             self._planes_to_masters()
         self._release()
@@ -666,6 +666,8 @@ class SlideEngine:
         for name in ("adam", "moments", "activations", "tier"):
             if made.get(name) is not None:
                 made[name].close()
+        if made.get("pump") is not None:
+            self.pump.ring.close()
         for part in made.get("parts", []):
             part.module.__dict__.pop("forward", None)
             if part.own_forward is not None:
@@ -676,10 +678,11 @@ class SlideEngine:
             s.release()
         self.window = None  # type: ignore[assignment]
 
-    def _quiesce_after_failure(self) -> None:
-        """A failure skipped the drain: let the GPU finish the copies it was given, which may target host memory
-        that closing unpins next. An error raised here is the failure's own, already reported."""
-        if self.device.type == "cuda" and self.failure.error is not None:
+    def _quiesce(self) -> None:
+        """Let the GPU finish the copies it was given, which may target host memory that closing unpins next: a
+        failure skips the drain, and an exception in a step leaves its loads and saved inputs' copies queued. An
+        error raised here is a failure's own, already reported."""
+        if self.device.type == "cuda":
             with suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
 

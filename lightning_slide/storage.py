@@ -64,6 +64,7 @@ class UnitStorage:
         self.exp_avg = self.exp_avg_sq = Packed(torch.empty(0))
         self.max_exp_avg_sq: torch.Tensor | None = None
         self.shadow: torch.Tensor | None = None
+        self.shadow_pinned = False
         self.halves: MasterHalves | None = None  # the master as planes while it trains (`add_halves`)
         self.grad_acc: torch.Tensor | None = None
         self.acc_pinned = False
@@ -108,7 +109,8 @@ class UnitStorage:
     def add_shadow(self, dtype: torch.dtype) -> None:
         """A pinned copy in the compute dtype that loads read where the fp32 master is on disk (refreshed after
         updates)."""
-        self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self.shadow = host_empty(self.numel, dtype)  # locked in place: at its own size, as the plan counts it
+        self.shadow_pinned = pin_(self.shadow)
         self.shadow.copy_(self.master)
 
     def add_halves(self, chunk: int, master_bits: int = 32) -> None:
@@ -130,10 +132,13 @@ class UnitStorage:
         self.max_exp_avg_sq = torch.zeros(self.trainable_numel)
 
     def release(self) -> None:
-        """Unpin the master and the sums; parameters stay valid views of (now pageable) host memory."""
+        """Unpin the master, the shadow and the sums; parameters stay valid views of (now pageable) host memory."""
         if self.pinned:
             unpin_(self.master)
             self.pinned = False
+        if self.shadow_pinned:
+            unpin_(self.shadow)
+            self.shadow_pinned = False
         if self.acc_pinned:
             unpin_(self.grad_acc)
             self.acc_pinned = False

@@ -16,6 +16,7 @@ import torch
 
 from lightning_slide.device_update import SlotWrite
 from lightning_slide.layer_adam import DeviceGrad, GradChunk, LayerAdam, StepPlan
+from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure, Worker
 
@@ -34,7 +35,8 @@ class LandingRing:
         return count * elems * 4
 
     def __init__(self, count: int, elems: int, pin: bool, failure: Failure) -> None:
-        self.buffers = [torch.empty(elems, pin_memory=pin) for _ in range(count)]
+        self.buffers = [host_empty(elems) for _ in range(count)]  # locked in place: at their own size
+        self._pinned = [b for b in self.buffers if pin and pin_(b)]
         self.events = [torch.cuda.Event() if pin else None for _ in range(count)]
         self._free = deque(range(count))
         self._lock = threading.Lock()
@@ -43,6 +45,12 @@ class LandingRing:
     @property
     def elems(self) -> int:
         return self.buffers[0].numel()
+
+    def close(self) -> None:
+        """Unlock the buffers (after the device has finished with them)."""
+        for buffer in self._pinned:
+            unpin_(buffer)
+        self._pinned.clear()
 
     def acquire(self) -> int:
         self._failure.wait(lambda: bool(self._free), "a free gradient landing buffer")

@@ -273,6 +273,20 @@ def test_master_weights_and_gradient_sums_are_pinned_and_unpinned_at_close():
     assert not any(s.pinned or s.acc_pinned for s in engine.storages)
 
 
+def test_landing_buffers_and_disk_masters_shadows_are_locked_at_their_own_size_and_unlocked_at_close(tmp_path):
+    """Not through the caching host allocator, which would round each up to a power of two the plan does not
+    count."""
+    model = tiny_model("llama")
+    config = SlideConfig(offload="nvme", nvme_path=str(tmp_path), nvme_moments=1.0, nvme_master=True)
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()), config, torch.device("cuda"), torch.bfloat16)
+    ring, shadows = engine.pump.ring, [s for s in engine.storages if s.shadow is not None]
+    assert shadows and all(s.shadow_pinned and s.shadow.is_pinned() for s in shadows)
+    assert ring._pinned == ring.buffers and all(b.is_pinned() for b in ring.buffers)
+    engine.close()
+    assert not any(s.shadow_pinned or s.shadow.is_pinned() for s in shadows)
+    assert not any(b.is_pinned() for b in ring.buffers)
+
+
 def test_host_buffers_allocated_one_after_another_all_page_lock():
     """Small buffers side by side in the heap would share pages, and the runtime refuses a page locked twice."""
     from lightning_slide.pinned import host_empty, pin_, unpin_
