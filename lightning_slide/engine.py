@@ -301,7 +301,7 @@ class SlideEngine:
             raise ValueError("slideformer trains without a KV cache: call the model with use_cache=False.")
         call = Call(self, part, args, kwargs)
         if not (torch.is_grad_enabled() and (part.trainable_owners or call.grad_positions)):
-            return call.rebuild(call.forward(()))
+            return call.rebuild(call.forward((), backward=False))
         book = self.grads.book
         call.prev = book.last_call
         outputs = PartFunction.apply(call, self._anchor, *call.grad_inputs())

@@ -138,11 +138,15 @@ class Call:
     def grad_inputs(self) -> list[torch.Tensor]:
         return [self.leaves[i] for i in self.grad_positions]
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def forward(self, inputs: tuple[torch.Tensor, ...], backward: bool = True) -> tuple[torch.Tensor, ...]:
+        """Compute the call; for its `backward` (a call with no gradient to give needs none) keep its inputs, which
+        the backward recomputes from, or its graph where the budget admits one."""
         host = self.host
         slots = host.enter(self.part, +1)
-        self.graph_bytes = host.graphs.admit(self.part, self.elements)
-        if not self.keeps_graph:  # the backward recomputes: keep only the inputs
+        self.graph_bytes = host.graphs.admit(self.part, self.elements) if backward else None
+        if not backward:
+            out = host.compute_part(self.part, slots, self.leaves, self.spec, {})
+        elif not self.keeps_graph:  # the backward recomputes: keep only the inputs
             self.saved = [host.save_input(i, x.detach()) for i, x in enumerate(inputs)]
             self.autocast = _autocast_state(host.device)
             self.rng = _rng_state(host.device) if self.part.needs_rng else None

@@ -98,3 +98,19 @@ def test_auto_recomputes_everything_off_cuda():
     strategy.teardown = lambda: (kept.append(strategy.engine.stats()["kept_graphs"]), SlideStrategy.teardown(strategy))
     fit(tiny_model("llama"), token_batches(STEPS), strategy, STEPS)
     assert kept == [0]
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_a_forward_without_gradients_keeps_neither_graphs_nor_inputs(recompute):
+    """Evaluation (no_grad) has no backward: no call records a graph or copies its input out."""
+    from lightning_slide import SlideConfig, SlideEngine
+
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(model.parameters()),
+                         SlideConfig(recompute=recompute, activations="cpu"), torch.device("cpu"), torch.float32)
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        engine.new_micro_batch()
+        model(input_ids=x, labels=x)
+    assert engine.graphs.kept == 0 and engine.activations.bytes_out == 0
+    engine.close()
