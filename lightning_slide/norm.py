@@ -35,11 +35,11 @@ class GlobalNorm:
         self._lock = threading.Lock()
 
     def add(self, grad: torch.Tensor, unit: int) -> None:
-        """Add a host gradient's squared norm (any thread)."""
+        """Add a host gradient's squared norm, or a chunk's of it (any thread)."""
         value = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         with self._lock:
             self.host += value
-            self.units[unit] = value
+            self.units[unit] = self.units.get(unit, 0.0) + value
 
     def add_on_device(self, grad: torch.Tensor, unit: int) -> None:
         """Add a gradient's squared norm, left on its device (the copy thread only, on its lane)."""
@@ -63,8 +63,8 @@ class GlobalNorm:
         return self.max_norm / (math.sqrt(self.host) + EPS)
 
     def finish(self, lane: Lane, unmeasured: dict[int, torch.Tensor]) -> None:
-        """Every gradient of the step has arrived: join the device part, measure `unmeasured` (sums that came
-        before the step was known, or whose last backward was skipped) and settle the scale."""
+        """Every gradient of the step has arrived: join the device part, measure the `unmeasured` units' sums
+        (`gradients.Bookkeeping.end_step`) and settle the scale."""
         self.gather_device(lane)
         for unit, grad in unmeasured.items():
             self.add(grad, unit)

@@ -152,3 +152,13 @@ def test_an_infinite_gradient_norm_scales_every_gradient_to_zero_as_clip_grad_no
     grads = torch.tensor([-2.0, 0.0, 3.0, math.inf])
     torch.testing.assert_close(grads / norm.grad_scale, grads * 0.0, rtol=0, atol=0, equal_nan=True)
     assert not norm.finite and norm.nonfinite_units() == [3]
+
+
+def test_a_units_squared_norm_sums_its_chunks_so_an_earlier_chunks_infinity_names_the_unit():
+    """The optimizer thread measures accumulated sums chunk by chunk as it adds the last gradient to them."""
+    norm = GlobalNorm(1.0)
+    norm.add(torch.tensor([math.inf, 0.0]), unit=3)
+    norm.add(torch.tensor([2.0, 2.0]), unit=3)
+    norm.add(torch.tensor([1.0, 1.0]), unit=4)
+    norm.add(torch.tensor([1.0, 1.0]), unit=4)
+    assert norm.units[4] == pytest.approx(4.0) and norm.nonfinite_units() == [3]
