@@ -40,13 +40,21 @@ class PiecePool(Generic[S]):
         before = torch.get_num_threads()
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="slide-pieces")
         # every thread starts now (the barrier holds each start until all run) and sets its own thread count
-        list(self._executor.map(lambda _: self._start(make_scratch, started), range(threads)))
+        starts = [self._executor.submit(self._start, make_scratch, started) for _ in range(threads)]
+        errors = [e for e in (start.exception() for start in starts) if e is not None]
         torch.set_num_threads(before)  # the process-wide count that threads made later start with
+        if errors:  # the one that broke the barrier, not the barrier's
+            self._executor.shutdown()
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
 
     def _start(self, make_scratch: Callable[[], S], started: threading.Barrier) -> None:
         torch.get_num_threads()  # this thread takes the process's count first, then lowers its own
         torch.set_num_threads(1)
-        self._local.scratch = make_scratch()
+        try:
+            self._local.scratch = make_scratch()
+        except BaseException:
+            started.abort()  # the others stop waiting for this thread
+            raise
         self.scratches.append(self._local.scratch)
         started.wait()
 
