@@ -112,7 +112,7 @@ class ActivationStore:
     fit, else the offload tier: disk with offload="nvme", pinned RAM otherwise)."""
 
     def __init__(self, mode: str, device: torch.device, compute: Lane, h2d: Lane, d2h: Lane, saves: int,
-                 tier: TierDirectory | None = None, failure: Failure | None = None, direct: bool = False) -> None:
+                 failure: Failure, tier: TierDirectory | None = None, direct: bool = False) -> None:
         self.mode, self.device, self.saves, self.tier, self.failure = mode, device, saves, tier, failure
         self.direct = direct
         self.compute, self.h2d, self.d2h = compute, h2d, d2h
@@ -129,7 +129,7 @@ class ActivationStore:
     @staticmethod
     def input_bytes(tokens: int, hidden: int, dtype: torch.dtype) -> int:
         """One saved input: a micro-batch's hidden states."""
-        return tokens * hidden * torch.empty(0, dtype=dtype).element_size()
+        return tokens * hidden * dtype.itemsize
 
     @staticmethod
     def offloads(needed: int, gpu_free: int) -> bool:
@@ -280,4 +280,4 @@ class ActivationStore:
 
 def _as(raw: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A typed view of the front of a byte buffer."""
-    return raw[: shape.numel() * torch.empty(0, dtype=dtype).element_size()].view(dtype).view(shape)
+    return raw[: shape.numel() * dtype.itemsize].view(dtype).view(shape)

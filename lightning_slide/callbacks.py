@@ -87,7 +87,7 @@ class HFExport(Callback):
         """The export's extra host memory at its peak (one shard of casted copies), for the strategy's planner."""
         dtype = export_dtype(pl_module.model, self.dtype)
         unique = {id(p): p for p in pl_module.model.parameters()}.values()
-        whole = sum(p.numel() for p in unique) * torch.empty(0, dtype=dtype).element_size()
+        whole = sum(p.numel() for p in unique) * dtype.itemsize
         return min(whole, shard_bytes(self.max_shard_size))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

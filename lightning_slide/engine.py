@@ -193,7 +193,7 @@ class SlideEngine:
     def _setup_activations(self) -> None:
         direct = self.tier is not None and direct_io(self.config.gds, self.device)
         self.activations = ActivationStore(self.config.activations, self.device, self.compute, self.h2d, self.d2h,
-                                           len(self.parts), self.tier, self.failure, direct)
+                                           len(self.parts), self.failure, self.tier, direct)
 
     def _setup_step_state(self) -> None:
         """The gradient routing and its bookkeeping, the step counter, the window's adaptation, the kept graphs."""

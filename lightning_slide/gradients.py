@@ -94,7 +94,7 @@ class GradRouter:
     def home_bytes(trainable: int, dtype: torch.dtype) -> int:
         """A held single gradient of a unit, in the compute dtype: its own buffer, or a lent saved-input buffer
         at least this large (`_gradient_home`)."""
-        return trainable * torch.empty(0, dtype=dtype).element_size()
+        return trainable * dtype.itemsize
 
     def expect(self, part: Part) -> None:
         """The forward recorded a call of `part`: its backward will report each trainable owner's gradient."""

@@ -89,9 +89,10 @@ def noise_position(step: int, unit: int, moment: int, index: int) -> int:
 
 
 def _int8_values(codes: torch.Tensor, out: torch.Tensor, bits: torch.Tensor, signed: bool, shift: int) -> torch.Tensor:
-    """The codes' values in [-1, 1] (exp_avg) or [0, 2) (the root of exp_avg_sq), into `out` (fp32; `bits` is
-    its int32 view). The code's bits, shifted into an fp32's exponent and mantissa, are that value times 2^-112
-    (subnormal below 2^-126, exactly as a code below 2^-14 is): one multiplication rebiases it."""
+    """The codes' values into `out` (fp32; `bits` is its int32 view): the map spans +-1.875 for exp_avg and
+    [0, 1.9375] for the root of exp_avg_sq, of which encoding (values over their block's absmax) uses [-1, 1] and
+    [0, 1]. The code's bits, shifted into an fp32's exponent and mantissa, are that value times 2^-112 (subnormal
+    below 2^-126, exactly as a code below 2^-14 is): one multiplication rebiases it."""
     bits.copy_(codes)
     if signed:  # the sign to bit 31, the rest down to `shift` by an arithmetic shift, then the sign's copies cleared
         keep = -(1 << 31) + (1 << (7 + shift)) - 1
@@ -177,7 +178,7 @@ class MomentCodec:
 
     def bytes_for(self, elements: int) -> int:
         """Host bytes of this moment over `elements` (one unit's trainable range)."""
-        return elements * torch.empty(0, dtype=self.dtype).element_size()
+        return elements * self.dtype.itemsize
 
     def zeros(self, elements: int) -> Packed:
         return self.from_bytes(host_zeros(self.bytes_for(elements), torch.uint8), elements)

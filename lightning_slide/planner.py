@@ -155,7 +155,7 @@ class Setup:
 
     @property
     def compute_bytes(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def on_device(self) -> Where:

@@ -79,7 +79,7 @@ class UnitStorage:
         (max_exp_avg_sq), "sums" (fp32 gradient sums of an accumulation window), "shadow" (the compute-dtype
         copy loads read, `dtype`), or "parity" (the master halves' parity plane, `master_halves`)."""
         if buffer == "shadow":
-            return elements * torch.empty(0, dtype=dtype).element_size()
+            return elements * dtype.itemsize
         if buffer == "parity":
             return parity_bytes(elements)
         return elements * cls.ELEMENT_BYTES[buffer]

@@ -76,7 +76,7 @@ class Failure:
         if self.error is not None:
             raise WorkerError(f"slideformer {self.where} failed: {self.error!r}") from self.error
 
-    def wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> float:
+    def wait(self, ready: Callable[[], bool], what: str) -> float:
         """Block until `ready()`; raise if a worker failed or the workers stalled meanwhile. Returns the seconds
         spent waiting."""
         start = time.perf_counter()
@@ -87,8 +87,6 @@ class Failure:
                 while not ready():
                     self.check()
                     now = time.perf_counter()
-                    if timeout is not None and now - start > timeout:
-                        raise TimeoutError(f"slideformer timed out after {timeout:.0f} s waiting for {what}")
                     if self._deadline is not None and now > self._deadline:
                         raise TimeoutError(f"slideformer stopped waiting for {what}: the run was interrupted")
                     if watches:

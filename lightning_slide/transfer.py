@@ -2,7 +2,8 @@
 
 Each unit's gradient goes out in chunks, so pinned memory stays bounded (a few chunks, not one buffer per
 unit) and the optimizer starts on chunk k while chunk k+1 is still on the wire. The copy thread, not the
-training thread, waits for free landing buffers, so backward never blocks on the optimizer.
+training thread, waits for free landing buffers; the backward waits only for a free GPU gradient buffer, which
+its unit's last chunk frees once it has landed (`window.GradBuffer`).
 """
 
 from __future__ import annotations

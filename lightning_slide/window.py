@@ -26,7 +26,7 @@ from lightning_slide.streams import Lane
 
 
 def _bytes(numel: int, dtype: torch.dtype) -> int:
-    return numel * torch.empty(0, dtype=dtype).element_size()
+    return numel * dtype.itemsize
 
 
 class Slot:

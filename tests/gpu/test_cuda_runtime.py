@@ -7,6 +7,7 @@ import torch
 
 from lightning_slide import SlideConfig, SlideEngine
 from lightning_slide.step_mode import StepMode
+from lightning_slide.threads import Failure
 from tests.runtime.helpers import (
     SEQ,
     VOCAB,
@@ -322,7 +323,8 @@ def test_a_prefetched_input_waits_for_queued_compute_on_the_memory_it_is_given()
     from lightning_slide.streams import Lane
 
     device, n = torch.device("cuda"), 16 << 20
-    store = ActivationStore("cpu", device, Lane(device, False), Lane(device, True), Lane(device, True), saves=1)
+    store = ActivationStore("cpu", device, Lane(device, False), Lane(device, True), Lane(device, True), saves=1,
+                            failure=Failure(None))
     saved = store.save("block.0", torch.zeros(n, device=device, dtype=torch.bfloat16))
     torch.cuda.synchronize()
     x = torch.ones(n, device=device, dtype=torch.bfloat16)
@@ -342,7 +344,8 @@ def test_saved_inputs_wait_in_ram_pinned_at_their_own_size_reused_while_they_fit
     from lightning_slide.streams import Lane
 
     device = torch.device("cuda")
-    store = ActivationStore("cpu", device, Lane(device, False), Lane(device, True), Lane(device, True), saves=1)
+    store = ActivationStore("cpu", device, Lane(device, False), Lane(device, True), Lane(device, True), saves=1,
+                            failure=Failure(None))
     odd = torch.randn(3, 1000, 5, device=device, dtype=torch.bfloat16)  # 30,000 bytes: no power of two
     saved = store.save("block.0", odd)
     buf = store._pool["block.0"]
@@ -364,7 +367,6 @@ def test_compact_moments_updated_on_the_gpu_equal_decode_then_torch_cuda_adamw_t
     import lightning_slide.layer_adam as layer_adam
     from lightning_slide.device_update import DeviceUpdater
     from lightning_slide.layer_adam import DeferredUpdate, DeviceGrad, LayerAdam, snapshot
-    from lightning_slide.threads import Failure
     from tests.runtime import test_compact_moments as compact
 
     monkeypatch.setattr(layer_adam, "SCRATCH_ELEMS", 1024)
