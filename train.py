@@ -139,13 +139,27 @@ def checkpoints(settings: dict, run_dir: Path) -> LinkedLastCheckpoint:
 
 def resolve(cfg: DictConfig) -> dict:
     """The composed config as plain values, settled once before anything is built: open values named,
-    settings the chosen offload would ignore refused, the disk tier's folder made, precision "auto" decided."""
+    settings the chosen offload would ignore refused, the disk tier's folder made, precision "auto" and the
+    learning rate decided."""
     check_required(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
     check_offload_settings(c["offload"])
     c["offload"] = prepare_nvme_path(c["offload"])
     c["trainer"] = {**c["trainer"], "precision": resolve_precision(c["trainer"]["precision"])}
+    scratch_lr = c["model"].pop("scratch_lr")
+    c["optim"] = {**c["optim"], "lr": learning_rate(c["optim"]["lr"], scratch_lr, c["model"]["pretrained"])}
     return c
+
+
+FINE_TUNING_LR = 1e-5  # a full fine-tuning rate for billion-parameter models
+
+
+def learning_rate(lr: float | None, scratch_lr: float | None, pretrained: str | None) -> float:
+    """`optim.lr` where set; else a model recipe's rate for training from scratch (`model.scratch_lr`) where there
+    are no pretrained weights to keep, and the fine-tuning rate otherwise."""
+    if lr is not None:
+        return lr
+    return scratch_lr if scratch_lr is not None and pretrained is None else FINE_TUNING_LR
 
 
 def model_config_for(model: dict, seq_len: int) -> object:

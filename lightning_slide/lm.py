@@ -34,12 +34,13 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
 class CausalLMModule(L.LightningModule):
     """Full-parameter fine-tuning of a Hugging Face causal LM: batches of input_ids, labels and either the
-    attention_mask of padded rows or the position_ids of packed ones (`packing.py`)."""
+    attention_mask of padded rows or the position_ids of packed ones (`packing.py`). The default `lr` is a full
+    fine-tuning rate for billion-parameter models; a small model trained from scratch wants a higher one."""
 
     def __init__(
         self,
         model: PreTrainedModel,
-        lr: float = 3e-3,
+        lr: float = 1e-5,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 20,

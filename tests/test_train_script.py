@@ -157,9 +157,15 @@ def test_every_registered_architecture_is_a_model_choice_and_every_recipe_one_of
     assert all(config(f"model={name}").model.name == name for name in MODELS)
 
 
-def test_model_recipe_sets_its_learning_rate_and_the_command_line_wins():
-    assert config("model=llama3_8b").optim.lr < config("model=tiny").optim.lr
-    assert config("model=llama3_8b", "optim.lr=2e-5").optim.lr == 2e-5
+@pytest.mark.parametrize("overrides, lr", [
+    ((), 3e-3),  # tiny from scratch: its recipe's rate
+    (("model=llama3_8b",), 1e-5),
+    (("model.pretrained=/models/tiny-chat",), 1e-5),  # pretrained weights: the fine-tuning rate, whatever the recipe
+    (("model=llama3_8b", "optim.lr=2e-5"), 2e-5),
+    (("model.pretrained=/models/tiny-chat", "optim.lr=2e-5"), 2e-5),
+], ids=["tiny-from-scratch", "8b", "pretrained", "8b-lr-set", "pretrained-lr-set"])
+def test_the_learning_rate_is_the_command_lines_else_a_scratch_recipes_else_the_fine_tuning_rate(overrides, lr):
+    assert SCRIPT["resolve"](config(*overrides))["optim"]["lr"] == lr
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme", "none"])
