@@ -219,7 +219,8 @@ class SlideEngine:
         return self.grads.wait_s
 
     def _prepare_model(self) -> None:
-        """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training.
+        """Per-unit recompute replaces HF gradient checkpointing; KV caches have no place in training
+        (`_without_cache`).
 
         On CUDA the Triton kernels of `ops` go in first (the fused loss never builds the logits; attention over
         groups of heads waits for `group_attention`), and the MLPs that `mlp_tile_tokens` tiles (on any device
@@ -229,8 +230,9 @@ class SlideEngine:
             "is_gradient_checkpointing")  # the older name (a deprecation warning where both exist)
         if getattr(self.model, checkpointing, False):
             self.model.gradient_checkpointing_disable()
-        if getattr(self.model.config, "use_cache", False):
-            self.model.config.use_cache = False
+        # a call that does not ask for a KV cache gets none (training has no use for one, and an evaluation's would
+        # hold every layer's keys and values on the GPU); the config, which an export writes, stays as it is
+        self._no_cache = self.model.register_forward_pre_hook(_without_cache, with_kwargs=True)
         self._kernels = None
         kernels = self.config.use_kernels and self.device.type == "cuda"
         tiles = self.config.mlp_tiling(self.device.type)
@@ -674,6 +676,8 @@ class SlideEngine:
                 part.module.forward = part.own_forward
         if made.get("_kernels") is not None:
             self._kernels.unpatch()
+        if made.get("_no_cache") is not None:
+            self._no_cache.remove()
         for s in made.get("storages", []):
             s.release()
         self.window = None  # type: ignore[assignment]
@@ -685,6 +689,11 @@ class SlideEngine:
         if self.device.type == "cuda":
             with suppress(RuntimeError):
                 torch.cuda.synchronize(self.device)
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The causal LM's forward pre-hook: `use_cache=False` unless the call says otherwise (generate does)."""
+    return args, kwargs if kwargs.get("use_cache") is not None else {**kwargs, "use_cache": False}
 
 
 def _ownership(specs: list) -> tuple[dict[int, int], list[list[nn.Parameter]]]:

@@ -16,6 +16,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    GenerationConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -23,6 +24,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from lightning_slide.materialize import has_weights, meta_parameters, missing_weights
 
@@ -224,6 +226,8 @@ def build_model(
     model.config.dtype = declared or model.config.dtype
     if folder is not None:
         model.config.name_or_path = str(folder)
+        if (folder / GENERATION_CONFIG_NAME).is_file():  # as from_pretrained reads it: stop ids, sampling
+            model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
     return model.train()
 
 

@@ -113,9 +113,13 @@ def test_bad_value_names_the_setting(tmp_path):
 
 @pytest.mark.parametrize("tier", [["offload=none"], ["offload=nvme", "offload.nvme_moments=0.5"]], ids=["none", "nvme"])
 def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tier, tmp_path):
-    """With the sliding runtime the model is built on meta and filled from the folder, unit by unit."""
+    """With the sliding runtime the model is built on meta and filled from the folder, unit by unit. The export
+    keeps the folder's generation settings (stop ids, sampling) and its config's use_cache."""
+    from transformers import GenerationConfig
+
     pretrained = tmp_path / "pretrained"
     build_model(model_config("tiny", num_hidden_layers=1)).save_pretrained(pretrained)
+    GenerationConfig(eos_token_id=[1, 0], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(pretrained)
     byte_tokenizer().save_pretrained(pretrained)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Q{i}? ", "response": f"A{i * i}."}) + "\n" for i in range(40)))
@@ -125,7 +129,10 @@ def test_fine_tunes_a_local_pretrained_folder_on_prompt_response_jsonl(tier, tmp
                  "data.batch_size=4", "trainer.max_steps=4", "trainer.val_check_interval=4")
     trainer = train(cfg, tmp_path / "run")
     tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf_model", local_files_only=True)
-    assert tuned.config.num_hidden_layers == 1
+    assert tuned.config.num_hidden_layers == 1 and tuned.config.use_cache
+    generation = tuned.generation_config
+    assert (generation.eos_token_id, generation.do_sample, generation.temperature, generation.top_p) == (
+        [1, 0], True, 0.6, 0.9)
     assert torch.isfinite(trainer.callback_metrics["val/loss"])
     assert not nvme.exists() or not any(nvme.iterdir())
 
