@@ -55,7 +55,7 @@ def encode_chat(messages: Messages, tokenizer: PreTrainedTokenizerBase, seq_len:
     if not tokenizer.is_fast:
         raise ValueError("Chat records need a fast tokenizer (its offsets locate the assistant turns); the one of "
                          "model.pretrained is not: save the folder with a tokenizer.json.")
-    if GENERATION_MARKER.search(tokenizer.chat_template):
+    if GENERATION_MARKER.search(tokenizer.get_chat_template()):  # the default one where it has several
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])

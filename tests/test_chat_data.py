@@ -61,7 +61,8 @@ def test_chat_record_is_tokenized_as_apply_chat_template_renders_it(template):
     assert example["attention_mask"] == [1] * len(example["input_ids"])
 
 
-@pytest.mark.parametrize("template", [PLAIN, MARKED], ids=["prefixes", "generation-markers"])
+@pytest.mark.parametrize("template", [PLAIN, MARKED, {"default": MARKED, "tool_use": PLAIN}],
+                         ids=["prefixes", "generation-markers", "named-templates"])
 def test_loss_is_only_on_assistant_contents_and_their_end_of_turn(template):
     example = encode_record({"messages": CONVERSATION}, chat_tokenizer(template), seq_len=1000)
     ids, labels = expected_labels(CONVERSATION)
