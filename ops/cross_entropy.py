@@ -547,7 +547,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if schedule not in SCHEDULES:
         raise ValueError(f"linear_cross_entropy: schedule {schedule!r} is not one of {SCHEDULES}")
     x, w, b = _autocast(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
-    y = targets.reshape(-1).to(device=x.device, dtype=torch.long)
+    y = targets.reshape(-1).to(device=x.device, dtype=torch.long).contiguous()  # the kernels index it as one row
     grad = torch.is_grad_enabled()
     o = _Options(ignore_index, softcap, float(z_loss_weight), chunk_mib, OVERLAP if overlap is None else overlap,
                  need_grad_x=grad and x.requires_grad, need_grad_w=grad and w.requires_grad,

@@ -97,6 +97,14 @@ def test_rows_with_every_label_ignored_contribute_nothing(schedule, device, asse
     _check(torch.float32, device, assert_matches, targets=y, schedule=schedule)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_targets_that_are_a_strided_view_are_read_as_their_values(schedule, device, assert_matches):
+    """E.g. every other label of a longer row: the kernels index the targets as one contiguous row."""
+    every_other = torch.randint(0, V, (2 * T,))
+    every_other[::3] = -100
+    _check(torch.float32, device, assert_matches, targets=every_other[::2], schedule=schedule)
+
+
 def test_targets_in_the_first_and_last_vocabulary_slice_and_at_their_edges(device, assert_matches):
     cols = lce.slice_cols(T, V, 4, _chunk_mib(BUDGET_ROWS["vocab"], torch.float32))
     last = (V - 1) // cols * cols
