@@ -63,6 +63,10 @@ class CausalLMModule(L.LightningModule):
         for metric in (self.train_acc, self.val_acc, self.val_nll):
             metric.to(self.device)
 
+    def on_validation_start(self) -> None:
+        """As `on_fit_start`, for a `trainer.validate` of its own."""
+        self.on_fit_start()
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The global RNG states (Lightning saves none), so dropout after a resume draws what it would have."""
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []

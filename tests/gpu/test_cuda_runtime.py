@@ -384,3 +384,20 @@ def test_compact_moments_updated_on_the_gpu_equal_decode_then_torch_cuda_adamw_t
     item = DeviceGrad(0, grad.cuda(), None, plan, lambda event: None) if grad_on == "cuda" else (
         DeferredUpdate(0, plan, grad))
     compact.run_and_compare(adam, item, storage, master, moments_after)
+
+
+def test_a_validate_of_its_own_on_cuda_gives_the_plain_models_per_token_loss():
+    """`trainer.validate` without a fit: the module's metric states follow the compute device there too."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_slide.lm import CausalLMModule
+
+    model, batches = tiny_model("llama"), token_batches(2)
+    with torch.no_grad():
+        expected = torch.stack([model.cuda()(input_ids=x.cuda(), labels=x.cuda()).loss for x in batches]).mean()
+    module = CausalLMModule(model.cpu())
+    run = Trainer(strategy="slideformer", accelerator="gpu", devices=1, logger=False, enable_progress_bar=False)
+    loader = DataLoader([{"input_ids": x, "labels": x} for x in batches], batch_size=None)
+    (metrics,) = run.validate(module, loader, verbose=False)
+    assert metrics["val/loss"] == pytest.approx(float(expected), rel=1e-4)
