@@ -398,6 +398,7 @@ def test_a_validate_of_its_own_on_cuda_gives_the_plain_models_per_token_loss():
         expected = torch.stack([model.cuda()(input_ids=x.cuda(), labels=x.cuda()).loss for x in batches]).mean()
     module = CausalLMModule(model.cpu())
     run = Trainer(strategy="slideformer", accelerator="gpu", devices=1, logger=False, enable_progress_bar=False)
-    loader = DataLoader([{"input_ids": x, "labels": x} for x in batches], batch_size=None)
+    loader = DataLoader([{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x} for x in batches],
+                        batch_size=None)
     (metrics,) = run.validate(module, loader, verbose=False)
     assert metrics["val/loss"] == pytest.approx(float(expected), rel=1e-4)
