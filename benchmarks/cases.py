@@ -335,10 +335,10 @@ SUITES: dict[str, list[Case]] = {
     "long": _long(),
     "tiling": _tiling(),
     # fp32 blocks updated on the GPU while the CPU updates the rest, where the CPU update bounds the step, beside the
-    # probe: none, the default's balanced split ("auto"), more than it chooses, and (3B) every block
+    # probe: none, the default's balanced split ("auto"), fewer (8B) and more than it chooses, and (3B) every block
     "gpu_updates": [_probe()] + [
         make("slide", model, 8, slide_settings=() if blocks == "auto" else (("gpu_update_blocks", blocks),))
-        for model, counts in (("llama3_3b", ("auto", 0, 20, 28)), ("llama3_8b", ("auto", 0, 20, 24)))
+        for model, counts in (("llama3_3b", ("auto", 0, 20, 28)), ("llama3_8b", ("auto", 0, 8, 12, 20, 24)))
         for blocks in counts],
     # the step boundary at 64 x 1024 tokens: the default's split ("auto": the embedding's update on the GPU and as
     # many blocks' as the step's compute does not hide, fitted at the first micro-batch) against every update on
