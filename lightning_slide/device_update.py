@@ -54,6 +54,7 @@ from lightning_slide.moment_codec import (
 from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane, host_wait
+from lightning_slide.touched_rows import TouchedRows, rows_of
 
 CHUNK_ELEMS = 1 << 23  # elements a buffer set updates at once (8M: 176 MiB a set, 8-bit moments coded by the kernels)
 FP32_SETS = 2  # buffer sets, each on its own stream, for fp32 blocks (four slowed the CPU's share: design.md)
@@ -294,10 +295,14 @@ def buffer_sets(precision: str) -> int:
     return FP32_SETS if precision == "fp32" else COMPACT_SETS
 
 
-def chunk_elems(largest_trainable: int, piece: int, plane_bits: int | None = None) -> int:
+def chunk_elems(largest_trainable: int, piece: int, plane_bits: int | None = None, row: int | None = None) -> int:
     """A buffer set's elements: a whole number of the CPU path's pieces (so the rounding noise lines up), at most
     CHUNK_ELEMS unless one piece is larger, and no more than the largest unit needs; with the masters as planes
-    (`plane_bits`) a multiple of 8, whole parity bytes (a chunk that is one piece covers a unit's trainable range)."""
+    (`plane_bits`) a multiple of 8, whole parity bytes (a chunk that is one piece covers a unit's trainable range).
+    fp32 moments draw no noise: with a `row` (an embedding's hidden size, a multiple of 8) the chunk is whole rows
+    instead (`touched_rows`)."""
+    if row is not None and row <= min(CHUNK_ELEMS, largest_trainable):
+        return min(CHUNK_ELEMS, largest_trainable) // row * row
     pieces = max(1, min(CHUNK_ELEMS, largest_trainable) // piece)
     chunk = min(pieces * piece, -(-largest_trainable // piece) * piece)
     return chunk if plane_bits is None else -(-chunk // 8) * 8
@@ -370,13 +375,16 @@ class DeviceUpdater:
     """Runs the AdamW of the units it serves on `device` (`run`); pins the RAM moments it copies (`serve`)."""
 
     def __init__(self, device: torch.device, codecs: tuple[MomentCodec, MomentCodec], largest_trainable: int,
-                 piece: int, code_kernels: bool | None = None, plane_bits: int | None = None) -> None:
+                 piece: int, code_kernels: bool | None = None, plane_bits: int | None = None,
+                 row: int | None = None) -> None:
         """`code_kernels`: compact moments decoded and encoded by `ops.moment_codes`, and masters split and joined
         by `ops.master_halves` (None: wherever those run), or by torch ops (a pass over the chunk per op).
         `plane_bits`: the units' masters train as planes (`master_halves`) keeping that many of their bits (32, or
-        24: the low plane of a byte, rounded stochastically), with room for them in each buffer set."""
+        24: the low plane of a byte, rounded stochastically), with room for them in each buffer set. `row`: chunks
+        of whole rows of this many elements (fp32 moments; `chunk_elems`), for an embedding's `touched_rows`."""
         self.device, self.codecs, self.piece = device, codecs, piece
-        self.chunk = chunk_elems(largest_trainable, piece, plane_bits)
+        self.chunk = chunk_elems(largest_trainable, piece, plane_bits, row)
+        self.rows: TouchedRows | None = None  # the embedding's, where its untouched rows are updated ahead
         compact = codecs[0].precision != "fp32"
         self.code_kernels = compact and (code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
@@ -417,10 +425,12 @@ class DeviceUpdater:
                             self._pinned.append(t)
 
     def close(self) -> None:
-        """Unlock what `serve` locked (after the device has finished with it)."""
+        """Unlock what `serve` locked and the touched rows' staging (after the device has finished with them)."""
         for t in self._pinned:
             unpin_(t)
         self._pinned.clear()
+        if self.rows is not None:
+            self.rows.close()
 
     def run(self, storage: UnitStorage, plan: StepPlan, start: int, grad: torch.Tensor, ready: object,
             master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None = None) -> object:
@@ -428,7 +438,37 @@ class DeviceUpdater:
         that range's host copies (the master's planes instead, where the unit holds them), `grad` is on the device
         (after `ready`) or on the host; the new weights also go into `slot` unless the window took it back.
         Returns the event after which the host copies (and the slot) hold the result and `grad` may be reused."""
-        n = grad.numel()
+        rows = self.rows
+        if rows is not None and rows.ahead is not None and rows.ahead[0] == (storage.index, plan.step):
+            return self._run_touched(storage, plan, grad, ready, master, moments, slot, rows)
+        return self._run(storage, plan, start, grad.numel(), grad, ready, master, moments, slot)
+
+    def run_untouched(self, storage: UnitStorage, plan: StepPlan, after: object, master: torch.Tensor,
+                      moments: tuple[Packed, Packed], slot: SlotWrite | None) -> None:
+        """The step's update of the embedding whose `rows` were sent (`TouchedRows.send`), ahead of its gradient:
+        the touched rows' old state into the staging, then the whole table updated with a zero gradient (after
+        the compute event `after`, the forwards that read the slot). The touched rows come out wrong here, and
+        right at the boundary (`run`), from the staging. Nothing happens where the staging cannot hold them."""
+        rows = self.rows
+        touched = rows.touched()
+        if touched is None or slot is None or not slot.take():
+            return
+        halves = storage.halves if storage.halves is not None and storage.halves.planes else None
+        staged = rows.gather(touched, rows_of(master, halves, tuple(m.values for m in moments), rows.hidden))
+        rows.ahead = ((storage.index, plan.step), touched, staged)
+        rows.steps_ahead += 1
+        self._run(storage, plan, 0, master.numel(), None, after, master, moments, slot,
+                  touched if halves is not None else None, rows.hidden)
+
+    def _run(self, storage: UnitStorage, plan: StepPlan, start: int, n: int, grad: torch.Tensor | None,
+             ready: object, master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None,
+             kept: torch.Tensor | None = None, hidden: int = 1) -> object:
+        """`run` over whole chunks: `grad` None is a zero gradient. The slot's weights of rows `kept` (of `hidden`
+        elements, sorted) stay as they were: a master as planes joins them with the staged low plane later."""
+        ends = torch.arange(0, n + self.chunk, self.chunk) // hidden  # each chunk's first row
+        bounds = None if kept is None else torch.searchsorted(kept, ends)
+        if kept is not None:
+            kept = self.rows.on_device = self._to_lanes(kept)  # held until the boundary has waited for the lanes
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
         groups = groups_of(storage, plan)
         weights = slot.params[start : start + n] if slot is not None and slot.take() else None
@@ -444,11 +484,99 @@ class DeviceUpdater:
                     lane.wait(slot.free)
                 elif halves is not None:
                     lane.wait(halves.written_back)
-                self._chunk(room, storage, plan, groups, start + a, grad[a:b], master[a:b],
+                g = room.wide[: b - a].zero_() if grad is None else grad[a:b]
+                rows = None if bounds is None else kept[bounds[i] : bounds[i + 1]] - a // hidden
+                old = None if rows is None else weights[a:b].view(-1, hidden).index_select(0, rows)
+                self._chunk(room, storage, plan, groups, start + a, g, master[a:b],
                             tuple(m[a:b] for m in moments), scale, None if weights is None else weights[a:b], halves)
+                if old is not None:
+                    weights[a:b].view(-1, hidden).index_copy_(0, rows, old)
+        return self._joined()
+
+    def _to_lanes(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device for every lane: copied on the first, which the others wait for."""
+        if self.device.type != "cuda":
+            return host
+        with self.lanes[0]():
+            device = host.pin_memory().to(self.device, non_blocking=True)
+        copied = self.lanes[0].record()
+        for lane in self.lanes[1:]:
+            lane.wait(copied)
+        return device
+
+    def _joined(self) -> object:
+        """The event after everything queued on the lanes."""
         for lane in self.lanes[1:]:
             self.lanes[0].wait(lane.record())
         return self.lanes[0].record()
+
+    def _run_touched(self, storage: UnitStorage, plan: StepPlan, grad: torch.Tensor, ready: object,
+                     master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None,
+                     rows: TouchedRows) -> object:
+        """The boundary's part of `run_untouched`: the touched rows from the staging, with their gradient rows,
+        updated and their new weights written into the slot, their state back in place. Waits for the copies back
+        (the rows are put in place on this thread)."""
+        (_, touched, staged), rows.ahead = rows.ahead, None
+        if slot is None or not slot.take():
+            raise RuntimeError(f"The update of {storage.name}'s touched rows has no GPU slot to write.")
+        hidden, per = rows.hidden, self.chunk // rows.hidden
+        table = slot.params[: master.numel()].view(-1, hidden)
+        grads = grad.view(-1, hidden)
+        index = self._to_lanes(touched)
+        halves = storage.halves if storage.halves is not None and storage.halves.planes else None
+        scale = None if plan.grad_scale is None else float(plan.grad_scale)
+        groups = groups_of(storage, plan)
+        for i, a in enumerate(range(0, touched.numel(), per)):
+            b = min(a + per, touched.numel())
+            lane, room = self.lanes[i % len(self.lanes)], self.sets[i % len(self.sets)]
+            with lane():
+                lane.wait(ready)
+                lane.wait(slot.free)
+                self._rows_chunk(room, plan, groups, index[a:b], grads, table, [s[a:b] for s in staged], scale,
+                                 halves)
+        done = self._joined()
+        host_wait(done)
+        rows.scatter(touched, rows_of(master, halves, tuple(m.values for m in moments), hidden), staged)
+        return done
+
+    def _rows_chunk(self, room: _Buffers, plan: StepPlan, groups: tuple[list[list[float]], list[list[bool]],
+                    list[int]], index: torch.Tensor, grads: torch.Tensor, table: torch.Tensor,
+                    staged: list[torch.Tensor], scale: float | None, halves: MasterHalves | None) -> None:
+        """Rows `index` of an embedding on the current lane: their staged state up, their gradient rows and slot
+        weights gathered on the device, the update, the new weights scattered into the slot, the state back."""
+        k, hidden = index.numel(), table.shape[1]
+        n = k * hidden
+        step = torch.full((), float(plan.step), device=self.device)
+        grad_scale = None if scale is None else torch.full((), scale, device=self.device)
+        *master_rows, m_rows, v_rows = staged
+        values = [v[:n].copy_(s.view(-1), non_blocking=True) for v, s in zip(room.values, (m_rows, v_rows))]
+        if halves is None:
+            gm = room.master[:n].copy_(master_rows[0].view(-1), non_blocking=True)
+        else:
+            weights = torch.index_select(table, 0, index, out=room.weights[:n].view(k, hidden))
+            low = room.low[:n].copy_(master_rows[0].view(-1), non_blocking=True)
+            parity = room.parity[: n // 8].copy_(master_rows[1].view(-1), non_blocking=True)
+            gm = self.planes.join(weights.view(-1), low, parity, room.master[:n])
+        g = room.grad[: n * grads.element_size()].view(grads.dtype).view(k, hidden)
+        torch.index_select(grads, 0, index, out=g)
+        hyper, flags, bounds = groups
+        wide = room.wide if grads.dtype != torch.float32 else torch.empty(0, device=self.device)
+        scripted(adam_pieces)(0, 1, max(n, 1), 0, g.view(-1), gm, "fp32", values, [None, None],
+                              [c.shift for c in self.codecs], room.noise,
+                              [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f,
+                              room.work_d, wide, bounds, hyper, flags, None, step, grad_scale, None)
+        if halves is None:
+            table.index_copy_(0, index, gm.view(k, hidden).to(table.dtype))
+            master_rows[0].view(-1).copy_(gm, non_blocking=True)
+        else:
+            self.planes.split(gm, room.weights[:n], room.low[:n], room.parity[: n // 8], halves.seed(plan.step))
+            table.index_copy_(0, index, room.weights[:n].view(k, hidden))
+            master_rows[0].view(-1).copy_(room.low[:n], non_blocking=True)
+            master_rows[1].view(-1).copy_(room.parity[: n // 8], non_blocking=True)
+        for s, v in zip((m_rows, v_rows), values):
+            s.view(-1).copy_(v, non_blocking=True)
+        state = 8 * n + (4 * n if halves is None else room.low.element_size() * n + n // 8)
+        self.bytes_up, self.bytes_down = self.bytes_up + state, self.bytes_down + state
 
     @staticmethod
     def _check_planes(halves: MasterHalves, start: int, name: str, into_slot: bool) -> None:

@@ -27,13 +27,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_slide import master_halves
+from lightning_slide import master_halves, touched_rows
 from lightning_slide.activations import ActivationStore, Saved
 from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, find_causal_lm
-from lightning_slide.available import available_vram
+from lightning_slide.available import available_ram, available_vram, host_headroom
 from lightning_slide.config import SlideConfig
 from lightning_slide.device_update import (
     DeviceUpdater,
+    SlotWrite,
     fitted_units,
     fp32_link_bytes,
     gpu_updated_units,
@@ -42,7 +43,14 @@ from lightning_slide.device_update import (
 )
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import GraphBudget
-from lightning_slide.layer_adam import DeferredUpdate, LayerAdam, StepPlan, snapshot, validate_optimizer
+from lightning_slide.layer_adam import (
+    DeferredUpdate,
+    LayerAdam,
+    StepPlan,
+    UntouchedRows,
+    snapshot,
+    validate_optimizer,
+)
 from lightning_slide.materialize import materialize_
 from lightning_slide.moment_state import load_unit, saved_entries, state_entries, without_moments
 from lightning_slide.moments import Moments, disk_units, unit_file
@@ -53,6 +61,7 @@ from lightning_slide.storage import UnitStorage
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import DiskFile, TierDirectory, direct_io
+from lightning_slide.touched_rows import TouchedRows
 from lightning_slide.transfer import GradPump, LandingRing, gradient_chunk
 from lightning_slide.window import Slot, Window
 
@@ -169,12 +178,31 @@ class SlideEngine:
         if config.moment_precision == "fp32" and config.gpu_update_blocks == "auto":
             self._unfitted_link = fp32_link_bytes(bits)
         largest = max(self.storages[u].trainable_numel for u in units)
+        table = self._untied_table(units)
         updater = DeviceUpdater(on, self.moments.codecs, largest,
-                                LayerAdam.widen_elems(largest, config.moment_precision), plane_bits=bits)
+                                LayerAdam.widen_elems(largest, config.moment_precision), plane_bits=bits,
+                                row=None if table is None else table[1])
         updater.serve(self.storages, units)
         for u in units if bits is not None else ():
             self.storages[u].add_halves(updater.chunk, bits)
+        if table is not None and touched_rows.applies(updater.chunk, table[1], bits):
+            updater.rows = TouchedRows(0, *table, on, bits)
         return updater
+
+    def _untied_table(self, units: list[int]) -> tuple[int, int] | None:
+        """(vocab, hidden) of an embedding whose untouched rows the GPU can update ahead (`touched_rows`): the
+        first unit, a plain `nn.Embedding` whose weight is its only trainable range, read by no other part, its
+        update on the GPU with fp32 moments in RAM, in eager steps (whose gradient stays on the GPU)."""
+        parts = [p for p in self.parts if 0 in p.owners]
+        storage = self.storages[0]
+        if (0 not in units or self.config.moment_precision != "fp32" or self.mode.holds_grads or self.mode.deferred
+                or len(parts) != 1 or parts[0].unit != 0 or len(storage.params) != 1):
+            return None
+        module, weight = parts[0].module, storage.params[0]
+        plain = type(module) is nn.Embedding and module.max_norm is None and module.weight is weight
+        if not plain or weight.ndim != 2 or weight.numel() != storage.trainable_numel:
+            return None
+        return weight.shape[0], weight.shape[1]
 
     def _chunk_elems(self) -> int:
         """Elements per gradient chunk: `chunk_elems`, or the largest unit's trainable size where that is less."""
@@ -202,6 +230,9 @@ class SlideEngine:
                                 self.mode, self.dtype, self.device, self.failure)
         self.activations.before_reuse = self.grads.reclaim
         self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
+        on_device = self.adam.on_device
+        self._rows = None if on_device is None else on_device.rows  # the embedding's `touched_rows`
+        self._rows_sent = False  # this step's untouched rows are queued for their update
         self._step = 0
         self._adapted = False
         self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
@@ -304,6 +335,8 @@ class SlideEngine:
         call = Call(self, part, args, kwargs)
         if not (torch.is_grad_enabled() and (part.trainable_owners or call.grad_positions)):
             return call.rebuild(call.forward((), backward=False))
+        if self._rows is not None and part.unit == self._rows.unit:
+            self._rows.see(args[0] if args else kwargs["input"])
         book = self.grads.book
         call.prev = book.last_call
         outputs = PartFunction.apply(call, self._anchor, *call.grad_inputs())
@@ -346,7 +379,24 @@ class SlideEngine:
         self.grads.inputs_back(unit, saved)
 
     def store_grads(self, part: Part, bindings: list[Binding], grads: tuple[torch.Tensor | None, ...]) -> None:
+        self._update_untouched_rows()
         self.grads.store(part, bindings, grads)
+
+    def _update_untouched_rows(self) -> None:
+        """The step's last backward has begun and will reach the embedding (its forward ran: were its gradient
+        not to come, `end_step` stops the run): the rows its tokens did not touch are updated now, beside the
+        backward (`touched_rows`)."""
+        rows, book = self._rows, self.grads.book
+        if (rows is None or self._rows_sent or book.plan is None or not book.pending[rows.unit]
+                or not self.adam.updates_on_device(rows.unit)):
+            return
+        self._rows_sent = True
+        slot = self.window.holding(rows.unit)
+        if slot is None or slot.unit != rows.unit:
+            return
+        rows.send(self.compute)
+        write = SlotWrite(slot.params[: self.storages[rows.unit].trainable_numel], self.compute.record())
+        self.adam.put(UntouchedRows(rows.unit, book.plan, write))
 
     def tile_mlps(self, setting: int | None) -> None:
         """Run the patched MLPs untiled (None) or in tiles of `setting` tokens: a runtime that plans memory per
@@ -370,6 +420,7 @@ class SlideEngine:
         self.graphs.new_micro_batch()
         if tokens is not None:
             self._fit_gpu_split(tokens)
+            self._reserve_rows(tokens)
             if self._adapted and tokens > self._adapted_tokens:
                 self._reopen_adaptation()
             self._step_tokens = max(self._step_tokens, tokens)
@@ -435,7 +486,7 @@ class SlideEngine:
         if not book.stepped:
             return
         units, unmeasured = book.end_step()
-        self._reads_planned = False
+        self._reads_planned = self._rows_sent = False
         self._step += 1
         if self.deferred:
             self._launch_deferred(plan, units, unmeasured)
@@ -485,6 +536,22 @@ class SlideEngine:
             fitted_units(updater.units, self._dedicated, trainable, updater.device, link, hidden)))
         self.notes.append(f"fp32 updates on the GPU for micro-batches of {tokens} tokens: {len(updater.units)} of the "
                           f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates)")
+
+    def _reserve_rows(self, tokens: int) -> None:
+        """At the first training micro-batch: the staging of the embedding's touched rows (`touched_rows`), for
+        micro-batches of `tokens`, or none where host RAM is short (the embedding then updates whole)."""
+        rows = self._rows
+        if rows is None or rows.capacity:
+            return
+        if rows.reserve(tokens, available_ram() - host_headroom()):
+            self.notes.append(f"the embedding's rows no token touched are updated ahead of its gradient (staging for "
+                              f"{rows.capacity} touched rows, {rows.staging_bytes(tokens) / 2**30:.2f} GiB pinned)")
+        else:
+            self._rows = self.adam.on_device.rows = None
+            rows.close()
+            self.notes.append(f"the embedding updates whole at the step's end: staging its touched rows would take "
+                              f"{rows.staging_bytes(tokens) / 2**30:.2f} GiB, more than 1/{touched_rows.RAM_SHARE} "
+                              "of the free host RAM")
 
     def _leave_gpu_updates(self, units: set[int]) -> None:
         """The CPU takes over the updates of `units`: their masters whole again and their planes released."""
@@ -636,6 +703,7 @@ class SlideEngine:
             "planes_s": self.planes_s,
             "kept_graphs": self.graphs.kept,
             "gpu_updated_units": len(updater.units) if updater else 0,  # units whose AdamW runs on the GPU
+            "steps_rows_ahead": self._rows.steps_ahead if self._rows else 0,  # `touched_rows`
             "block_slots": len(self.window.ring),  # blocks with a GPU slot (grown by the first step's adaptation)
             "disk_read_bytes": self.moments.disk_bytes[0] + self.activations.disk_bytes[0],
             "disk_write_bytes": self.moments.disk_bytes[1] + self.activations.disk_bytes[1],

@@ -225,6 +225,15 @@ class DeviceGrad:
 
 
 @dataclass
+class UntouchedRows:
+    """The step's update of an embedding's rows that no token touched, ahead of its gradient (`touched_rows`)."""
+
+    unit: int
+    plan: StepPlan
+    slot: SlotWrite  # the unit's weight slot (its `free`: the compute event after the forwards that read it)
+
+
+@dataclass
 class DeferredUpdate:
     """Update a whole unit from the gradient its step held on the host (after clipping or manual optimization):
     fp32 sums, or the one gradient as it came."""
@@ -233,6 +242,9 @@ class DeferredUpdate:
     plan: StepPlan
     grads: torch.Tensor = field(repr=False)
     slot: SlotWrite | None = None  # the unit's weight slot, for the new weights (an update on the GPU)
+
+
+Item = GradChunk | DeferredUpdate | DeviceGrad | UntouchedRows  # what the optimizer threads take
 
 
 class Scratch:
@@ -286,8 +298,8 @@ class LayerAdam:
         self.scratch = Scratch(0, piece)  # this thread's: fp32 moments need no scratch
         self.pool = PiecePool(pool_threads(), lambda: Scratch(piece, piece)) if self.compact else None
         scripted(adam_pieces)  # compiled here, before any update waits for it
-        self.worker: Worker[GradChunk | DeferredUpdate | DeviceGrad] = Worker("layer-adam", self._handle, failure)
-        self.device_worker: Worker[GradChunk | DeferredUpdate | DeviceGrad] | None = None
+        self.worker: Worker[Item] = Worker("layer-adam", self._handle, failure)
+        self.device_worker: Worker[Item] | None = None
         if on_device is not None:
             self.device_worker = Worker("layer-adam-gpu", self._handle, failure)
 
@@ -315,7 +327,7 @@ class LayerAdam:
     def schedule(self, unit: int) -> None:
         self.scheduled[unit] += 1
 
-    def put(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
+    def put(self, item: Item) -> None:
         """Queue `item` on the thread of its unit's kind (CPU or GPU update)."""
         on_device = self.device_worker is not None and self.updates_on_device(item.unit)
         (self.device_worker if on_device else self.worker).put(item)
@@ -341,12 +353,19 @@ class LayerAdam:
                 self.landed[unit] = None
         return waited
 
-    def _handle(self, item: GradChunk | DeferredUpdate | DeviceGrad) -> None:
+    def _handle(self, item: Item) -> None:
         if isinstance(item, DeviceGrad):  # queued on the GPU, not waited for: the next unit's chunks follow at once
             with self._working_on(item.unit):
                 event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False, slot=item.slot)
             item.done(event)
             self._finish(item.unit)
+            return
+        if isinstance(item, UntouchedRows):
+            with self._working_on(item.unit):
+                (master, *moments), done = self.moments.open(item.unit, 0, self.storages[item.unit].trainable_numel)
+                self.on_device.run_untouched(self.storages[item.unit], item.plan, item.slot.free, master,
+                                             tuple(moments), item.slot)
+                done()
             return
         if isinstance(item, DeferredUpdate):
             with self._working_on(item.unit):

@@ -1,0 +1,161 @@
+"""The rows of an untied embedding that a step's tokens touched, so that the others are updated before the step's
+backward ends.
+
+Why: the embedding's gradient is complete only when the backward ends, and the next forward needs the embedding
+first, so its update is the step's boundary: on the GPU its master and moments cross PCIe (10 1/8 bytes an element
+each way with the master as planes) while the compute stream waits. A row that no token of the step touched has a
+zero gradient, and AdamW's update of it (the moments decayed, the weight decayed and moved by the old moments) does
+not depend on the gradient otherwise. So once the step's last backward has begun, the GPU updates the whole table
+with a zero gradient (`DeviceUpdater.run_untouched`), beside the backward; the touched rows' old state is gathered
+first into pinned staging here, and at the boundary only those rows go up, are updated with their gradient rows,
+and come back (`DeviceUpdater.run` then takes the touched rows only). Every element goes through the same
+elementwise fused AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
+
+The staging is reserved at the first training micro-batch, for as many rows as its tokens (at most half the
+table), where that takes at most `RAM_SHARE` of the host RAM free then; a step whose tokens touch more rows than it
+holds updates the whole table at the boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_slide.master_halves import LOW_DTYPES, MasterHalves
+from lightning_slide.pinned import host_empty, pin_, unpin_
+from lightning_slide.streams import Lane, host_wait
+
+CAPACITY_SHARE = 2  # staging for at most 1/2 of the table's rows (51% of Llama-3's at 64 x 1024 random tokens)
+RAM_SHARE = 8  # ... taking at most 1/8 of the free host RAM, so that the batch's own buffers keep their room
+
+
+class TouchedRows:
+    """The touched rows of one embedding unit (`vocab` x `hidden` weight, the unit's only trainable range): a device
+    mask that its forwards mark (`see`), sent to the host when the step's last backward begins (`send`), and pinned
+    staging for the touched rows' state (`reserve`, `gather`, `scatter`)."""
+
+    def __init__(self, unit: int, vocab: int, hidden: int, device: torch.device, plane_bits: int | None) -> None:
+        self.unit, self.vocab, self.hidden, self.device, self.plane_bits = unit, vocab, hidden, device, plane_bits
+        self.mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.host = host_empty(vocab, torch.uint8).view(torch.bool)
+        self._pinned = [self.host] if device.type == "cuda" and pin_(self.host) else []
+        self.capacity = 0  # rows the staging holds (none until `reserve`)
+        self.staging: list[torch.Tensor] = []  # the fp32 master or its low plane and parities, exp_avg, exp_avg_sq
+        self.sent: object = None  # the event after the mask's copy to the host
+        # once the untouched rows are updated: ((unit, step), the touched rows, their staged state)
+        self.ahead: tuple[tuple[int, int], torch.Tensor, list[torch.Tensor]] | None = None
+        self.steps_ahead = 0  # steps whose untouched rows were updated ahead, for the engine's stats
+        self.on_device: torch.Tensor | None = None  # the touched rows' indices, while the lanes may read them
+
+    def staging_bytes(self, tokens: int) -> int:
+        """Pinned bytes of the staging for micro-batches of `tokens` (`reserve`)."""
+        return int(self._rows_for(tokens) * self.hidden * _row_bytes(self.plane_bits))
+
+    def _rows_for(self, tokens: int) -> int:
+        return min(self.vocab // CAPACITY_SHARE, tokens)
+
+    def reserve(self, tokens: int, free: int) -> bool:
+        """Staging for the rows that micro-batches of `tokens` can touch, where it takes at most `RAM_SHARE` of the
+        `free` host bytes. Returns whether it was reserved."""
+        if self.staging_bytes(tokens) * RAM_SHARE > free:
+            return False
+        self.capacity = rows = self._rows_for(tokens)
+        n = rows * self.hidden
+        master = [host_empty(n)] if self.plane_bits is None else [
+            host_empty(n, LOW_DTYPES[self.plane_bits]), host_empty(n // 8, torch.uint8)]
+        self.staging = [*master, host_empty(n), host_empty(n)]
+        self._pinned += [t for t in self.staging if self.device.type == "cuda" and pin_(t)]
+        return True
+
+    def see(self, ids: torch.Tensor) -> None:
+        """A training forward looks up `ids` (on the current stream)."""
+        self.mask[ids.reshape(-1).to(self.device)] = True
+
+    def send(self, compute: Lane) -> None:
+        """The step's tokens are all seen: the mask goes to the host (on `compute`, after the forwards that marked
+        it) and starts again empty for the next step."""
+        with compute():
+            self.host.copy_(self.mask, non_blocking=True)
+            self.sent = compute.record()
+            self.mask.zero_()
+
+    def touched(self) -> torch.Tensor | None:
+        """The sent mask's rows (sorted), or None where the staging cannot hold them (on a background thread)."""
+        host_wait(self.sent)
+        rows = self.host.nonzero().flatten()
+        return rows if 0 < rows.numel() <= self.capacity else None
+
+    def gather(self, rows: torch.Tensor, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`rows` of each source (a `rows_of` view) into the staging, in order; returns the staged rows."""
+        staged = [s[: rows.numel() * self._width(s)].view(rows.numel(), -1) for s in self.staging]
+        for view, into in zip(sources, staged):
+            torch.index_select(view, 0, rows, out=into) if not isinstance(view, _ChunkRows) else view.gather(rows, into)
+        return staged
+
+    def scatter(self, rows: torch.Tensor, targets: list[torch.Tensor], staged: list[torch.Tensor]) -> None:
+        """`gather`'s way back: the staged rows into their places."""
+        for view, rows_in in zip(targets, staged):
+            view.index_copy_(0, rows, rows_in) if not isinstance(view, _ChunkRows) else view.scatter(rows, rows_in)
+
+    def _width(self, staging: torch.Tensor) -> int:
+        return staging.numel() // self.capacity
+
+    def close(self) -> None:
+        for t in self._pinned:
+            unpin_(t)
+        self._pinned.clear()
+
+
+def _row_bytes(plane_bits: int | None) -> float:
+    """Staged bytes per element of a row: the fp32 master (or its low plane and parity bit), both fp32 moments."""
+    master = 4 if plane_bits is None else LOW_DTYPES[plane_bits].itemsize + 1 / 8
+    return master + 8
+
+
+class _ChunkRows:
+    """The low plane of a `MasterHalves` as rows of `hidden` elements: each chunk keeps its weights first and its low
+    parts after them (`MasterHalves.pieces`), so a row's low parts are contiguous, but the plane is not one strided
+    view; its full chunks are, and the last (shorter) chunk is another."""
+
+    def __init__(self, halves: MasterHalves, hidden: int) -> None:
+        n, chunk, size = halves.master.numel(), halves.chunk, halves.low_dtype.itemsize
+        data = halves.master.view(torch.uint8)
+        full, self.per_chunk = n // chunk, chunk // hidden
+        self.full = data[: 4 * full * chunk].view(full, 4 * chunk)[:, 2 * chunk : (2 + size) * chunk]
+        self.full = self.full.view(full, self.per_chunk, size * hidden)
+        m = n - full * chunk  # the last chunk's elements
+        start = 4 * full * chunk + 2 * m
+        self.last = data[start : start + size * m].view(m // hidden, size * hidden)
+        self.dtype, self.full_rows = halves.low_dtype, full * self.per_chunk
+
+    def _split(self, rows: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = int(torch.searchsorted(rows, self.full_rows))  # sorted rows: those of the last chunk come last
+        return k, rows[:k] // self.per_chunk, rows[:k] % self.per_chunk, rows[k:] - self.full_rows
+
+    def gather(self, rows: torch.Tensor, into: torch.Tensor) -> None:
+        k, chunk, row, last = self._split(rows)
+        out = into.view(torch.uint8).view(rows.numel(), -1)
+        out[:k] = self.full[chunk, row]
+        out[k:] = self.last[last]
+
+    def scatter(self, rows: torch.Tensor, rows_in: torch.Tensor) -> None:
+        k, chunk, row, last = self._split(rows)
+        data = rows_in.view(torch.uint8).view(rows.numel(), -1)
+        self.full[chunk, row] = data[:k]
+        self.last[last] = data[k:]
+
+
+def rows_of(master: torch.Tensor, halves: MasterHalves | None, moments: tuple[torch.Tensor, torch.Tensor],
+            hidden: int) -> list[torch.Tensor | _ChunkRows]:
+    """The host state of an embedding's rows, in `TouchedRows.staging`'s order: its fp32 master (or, as planes,
+    its low plane and parities), then both moments, each indexable by row."""
+    vocab = master.numel() // hidden
+    masters = [master.view(vocab, hidden)] if halves is None else [
+        _ChunkRows(halves, hidden), halves.parity[: vocab * hidden // 8].view(vocab, hidden // 8)]
+    return [*masters, *(m.view(vocab, hidden) for m in moments)]
+
+
+def applies(chunk: int, hidden: int, plane_bits: int | None) -> bool:
+    """Whether rows line up with what the updater moves: buffer sets and planes chunks (`chunk`) of whole rows,
+    whole parity bytes per row, and a master kept whole or as 32-bit planes (24-bit planes round with noise drawn
+    per element index, which a row's update out of place would not reproduce)."""
+    return chunk >= hidden and chunk % hidden == 0 and hidden % 8 == 0 and plane_bits in (None, 32)

@@ -1,0 +1,129 @@
+"""An untied embedding's rows that no token of the step touched are updated ahead of its gradient, on the device
+updater (`touched_rows`): the whole table with a zero gradient beside the backward, the touched rows from their
+staged state at the boundary. On the CPU (standing in for the GPU) training stays bit for bit as the CPU pool's."""
+
+import pytest
+import torch
+
+import lightning_slide.device_update as device_update
+import lightning_slide.engine as engine_module
+import lightning_slide.touched_rows as touched_rows
+from lightning_slide import SlideConfig, SlideEngine, StepMode
+from lightning_slide.master_halves import MasterHalves
+from lightning_slide.touched_rows import TouchedRows, rows_of
+from tests.runtime.helpers import param_groups, tiny_model, token_batches
+
+H200_RATES = device_update.UpdateRates(3.1e9, 72e9, 7e14)  # the embedding's update goes to the GPU there
+
+
+def _engine(on_device: bool, dtype: torch.dtype, mode: StepMode, monkeypatch, arch: str = "llama",
+            slots: int | str = "auto") -> tuple[SlideEngine, torch.nn.Module]:
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device if on_device else None)
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)  # 32 rows of the tiny models' 32 a chunk
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: H200_RATES)
+    model = tiny_model(arch)
+    config = SlideConfig(slots=slots, gpu_update_blocks="auto" if on_device else 0, chunk_elems=1024)
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config, torch.device("cpu"),
+                         dtype, mode)
+    return engine, model
+
+
+def _train(engine: SlideEngine, model: torch.nn.Module, dtype: torch.dtype, batches: list[torch.Tensor]) -> None:
+    """Steps as a fit takes them (no synchronize between them), then the state made whole."""
+    for x in batches:
+        engine.new_micro_batch(x.numel())
+        engine.begin_step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            model(input_ids=x, labels=x).loss.backward()
+        engine.end_step()
+    engine.synchronize()
+
+
+def _assert_same_state(a: SlideEngine, b: SlideEngine) -> None:
+    for x, y in zip(a.storages, b.storages):
+        assert torch.equal(x.master, y.master), x.name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(x, key).values, getattr(y, key).values), x.name
+
+
+@pytest.mark.parametrize("slots", ["auto", 2], ids=["resident", "blocks-slide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masters", "bf16-planes"])
+def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_the_cpu(dtype, slots, monkeypatch):
+    """Uniform random tokens touch some of the 97 rows in each step; with bf16 compute the master trains as planes
+    (the touched rows' low plane gathered across chunks, the last one shorter)."""
+    batches = token_batches(4)
+    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, dtype, StepMode(), monkeypatch, slots=slots)
+                                          for on in (False, True))
+    rows = gpu.adam.on_device.rows
+    assert rows is not None and 0 in gpu.adam.on_device.units
+    assert (gpu.storages[0].halves is not None) == (dtype == torch.bfloat16)
+    _train(cpu, cpu_model, dtype, batches)
+    _train(gpu, gpu_model, dtype, batches)
+    assert rows.steps_ahead == len(batches)
+    _assert_same_state(cpu, gpu)
+    cpu.close(), gpu.close()
+
+
+def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_table_at_the_boundary(monkeypatch):
+    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 10)  # 9 rows: every step touches more
+    batches = token_batches(2)
+    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.float32, StepMode(), monkeypatch)
+                                          for on in (False, True))
+    _train(cpu, cpu_model, torch.float32, batches)
+    _train(gpu, gpu_model, torch.float32, batches)
+    assert gpu.adam.on_device.rows.steps_ahead == 0
+    _assert_same_state(cpu, gpu)
+    cpu.close(), gpu.close()
+
+
+def test_without_host_ram_to_spare_for_the_staging_the_embedding_updates_whole(monkeypatch):
+    """The staging may take 1/8 of the free host RAM: here 1 KiB is free."""
+    monkeypatch.setattr(engine_module, "available_ram", lambda: 1024 + engine_module.host_headroom())
+    batches = token_batches(2)
+    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.float32, StepMode(), monkeypatch)
+                                          for on in (False, True))
+    _train(cpu, cpu_model, torch.float32, batches)
+    _train(gpu, gpu_model, torch.float32, batches)
+    assert gpu.adam.on_device.rows is None and any("updates whole" in note for note in gpu.notes)
+    _assert_same_state(cpu, gpu)
+    cpu.close(), gpu.close()
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("qwen2-tied", StepMode()), ("llama", StepMode(clip_norm=0.05)),
+                                            ("llama", StepMode(accumulates=True))],
+                         ids=["tied", "clipped", "accumulated"])
+def test_rows_are_updated_ahead_only_for_an_untied_embedding_in_eager_steps(arch, mode, monkeypatch):
+    """A tied embedding is read by the head after the forward that marked it; held gradients are on the host."""
+    engine, _ = _engine(True, torch.float32, mode, monkeypatch, arch=arch)
+    assert 0 in engine.adam.on_device.units and engine.adam.on_device.rows is None
+    engine.close()
+
+
+def test_the_touched_rows_of_a_master_as_planes_are_gathered_across_its_chunks_and_scattered_back():
+    """Rows of 16 elements in chunks of 64 (4 rows, the last chunk 2 rows): each chunk holds its weights first,
+    then its low halves."""
+    vocab, hidden = 18, 16
+    master = torch.randn(vocab * hidden)
+    halves = MasterHalves(master, 64)
+    low = torch.randint(-(2**15), 2**15, (vocab * hidden,), dtype=torch.int16)
+    for at, _, plane in halves.pieces(0, vocab * hidden):
+        plane.copy_(low[at : at + plane.numel()])
+    halves.parity.copy_(torch.randint(0, 256, halves.parity.shape, dtype=torch.uint8))
+    moments = (torch.randn(vocab * hidden), torch.rand(vocab * hidden))
+    rows = TouchedRows(0, vocab, hidden, torch.device("cpu"), 32)
+    assert rows.reserve(vocab // 2, 1 << 30) and rows.capacity == 9
+    touched = torch.tensor([0, 3, 5, 15, 16, 17])
+    views = rows_of(master, halves, moments, hidden)
+    staged = rows.gather(touched, views)
+    assert torch.equal(staged[0], low.view(vocab, hidden)[touched])
+    assert torch.equal(staged[1], halves.parity.view(vocab, hidden // 8)[touched])
+    assert torch.equal(staged[2], moments[0].view(vocab, hidden)[touched])
+    before = master.clone(), halves.parity.clone(), *(m.clone() for m in moments)
+    for s in staged:
+        s.view(torch.uint8).bitwise_not_()
+    rows.scatter(touched, views, staged)
+    for s in staged:
+        s.view(torch.uint8).bitwise_not_()
+    rows.scatter(touched, views, staged)
+    for now, then in zip((master, halves.parity, *moments), before):
+        assert torch.equal(now, then)
