@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -67,6 +68,32 @@ PROBE_ELEMS = 1 << 25  # the rate probes' size: 128 MiB a tensor, past any CPU c
 PROBE_COPIES = 4  # copies each way, to outlast the probe's CPU AdamW
 PROBE_MATMUL = 8192  # the matmul probe's square size (bf16): 1.1 TFLOP a product, long past any launch cost
 PROBE_WARMUP = 20  # products before the matmul probe times any: 30 ms on an H200
+PACE = 2 * FP32_SETS  # chunks of the untouched rows' pass in flight, so that the backward's updates queue behind few
+
+
+@dataclass
+class _Pass:
+    """An update queued chunk by chunk (`DeviceUpdater._advance`): what its chunks need, the next one to queue, and
+    (where it is paced) the events after those in flight."""
+
+    storage: UnitStorage
+    plan: StepPlan
+    start: int
+    n: int
+    grad: torch.Tensor | None  # None: a zero gradient
+    ready: object
+    free: object  # the event the slot (or the weights plane) is free to write after
+    master: torch.Tensor
+    moments: tuple[Packed, Packed]
+    weights: torch.Tensor | None  # the slot's range, where the new weights go
+    halves: MasterHalves | None
+    scale: float | None
+    groups: tuple[list[list[float]], list[list[bool]], list[int]]
+    hidden: int = 1
+    kept: torch.Tensor | None = None  # rows whose slot weights stay, and each chunk's bounds among them
+    bounds: torch.Tensor | None = None
+    next: int = 0
+    in_flight: deque = field(default_factory=deque)
 
 
 @dataclass
@@ -444,54 +471,91 @@ class DeviceUpdater:
         return self._run(storage, plan, start, grad.numel(), grad, ready, master, moments, slot)
 
     def run_untouched(self, storage: UnitStorage, plan: StepPlan, after: object, master: torch.Tensor,
-                      moments: tuple[Packed, Packed], slot: SlotWrite | None) -> None:
+                      moments: tuple[Packed, Packed], slot: SlotWrite | None, waiting: Callable[[], bool]) -> bool:
         """The step's update of the embedding whose `rows` were sent (`TouchedRows.send`), ahead of its gradient:
         the touched rows' old state into the staging, then the whole table updated with a zero gradient (after
         the compute event `after`, the forwards that read the slot). The touched rows come out wrong here, and
-        right at the boundary (`run`), from the staging. Nothing happens where the staging cannot hold them."""
+        right at the boundary (`run`), from the staging. Nothing happens where the staging cannot hold them.
+
+        The backward's own updates go first: the pass queues `PACE` chunks at most and stops where other items
+        are `waiting` for this thread. Returns whether it is complete; else `resume_untouched` goes on with it."""
         rows = self.rows
         touched = rows.touched()
         if touched is None or slot is None or not slot.take():
-            return
+            return True
         halves = storage.halves if storage.halves is not None and storage.halves.planes else None
         staged = rows.gather(touched, rows_of(master, halves, tuple(m.values for m in moments), rows.hidden))
         rows.ahead = ((storage.index, plan.step), touched, staged)
         rows.steps_ahead += 1
-        self._run(storage, plan, 0, master.numel(), None, after, master, moments, slot,
-                  touched if halves is not None else None, rows.hidden)
+        rows.underway = self._begin(storage, plan, 0, master.numel(), None, after, master, moments, slot,
+                                    touched if halves is not None else None, rows.hidden)
+        return self.resume_untouched(waiting)
 
-    def _run(self, storage: UnitStorage, plan: StepPlan, start: int, n: int, grad: torch.Tensor | None,
-             ready: object, master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None,
-             kept: torch.Tensor | None = None, hidden: int = 1) -> object:
-        """`run` over whole chunks: `grad` None is a zero gradient. The slot's weights of rows `kept` (of `hidden`
-        elements, sorted) stay as they were: a master as planes joins them with the staged low plane later."""
-        ends = torch.arange(0, n + self.chunk, self.chunk) // hidden  # each chunk's first row
-        bounds = None if kept is None else torch.searchsorted(kept, ends)
-        if kept is not None:
-            kept = self.rows.on_device = self._to_lanes(kept)  # held until the boundary has waited for the lanes
-        scale = None if plan.grad_scale is None else float(plan.grad_scale)
-        groups = groups_of(storage, plan)
+    def resume_untouched(self, waiting: Callable[[], bool] | None = None) -> bool:
+        """Queue more of the untouched rows' pass (all of it without `waiting`); whether it is complete."""
+        underway = self.rows.underway if self.rows is not None else None
+        if underway is None or self._advance(underway, waiting):
+            if self.rows is not None:
+                self.rows.underway = None
+            return True
+        return False
+
+    def _run(self, storage: UnitStorage, plan: StepPlan, start: int, n: int, grad: torch.Tensor,
+             ready: object, master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None) -> object:
+        """`run` over whole chunks."""
+        self._advance(self._begin(storage, plan, start, n, grad, ready, master, moments, slot))
+        return self._joined()
+
+    def _begin(self, storage: UnitStorage, plan: StepPlan, start: int, n: int, grad: torch.Tensor | None,
+               ready: object, master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None,
+               kept: torch.Tensor | None = None, hidden: int = 1) -> _Pass:
+        """A pass over [start, start + n) (`grad` None: a zero gradient) whose chunks `_advance` queues. The slot's
+        weights of rows `kept` (of `hidden` elements, sorted) stay as they were: a master as planes joins them with
+        the staged low plane later."""
         weights = slot.params[start : start + n] if slot is not None and slot.take() else None
         halves = storage.halves if storage.halves is not None and storage.halves.planes else None
         if halves is not None:
             self._check_planes(halves, start, storage.name, weights is not None)
-        for i, a in enumerate(range(0, n, self.chunk)):
-            b = min(a + self.chunk, n)
-            lane, room = self.lanes[i % len(self.lanes)], self.sets[i % len(self.sets)]
-            with lane():
-                lane.wait(ready)
-                if weights is not None:
-                    lane.wait(slot.free)
-                elif halves is not None:
-                    lane.wait(halves.written_back)
-                g = room.wide[: b - a].zero_() if grad is None else grad[a:b]
-                rows = None if bounds is None else kept[bounds[i] : bounds[i + 1]] - a // hidden
-                old = None if rows is None else weights[a:b].view(-1, hidden).index_select(0, rows)
-                self._chunk(room, storage, plan, groups, start + a, g, master[a:b],
-                            tuple(m[a:b] for m in moments), scale, None if weights is None else weights[a:b], halves)
-                if old is not None:
-                    weights[a:b].view(-1, hidden).index_copy_(0, rows, old)
-        return self._joined()
+        free = slot.free if weights is not None else None if halves is None else halves.written_back
+        scale = None if plan.grad_scale is None else float(plan.grad_scale)
+        work = _Pass(storage, plan, start, n, grad, ready, free, master, moments, weights, halves, scale,
+                     groups_of(storage, plan), hidden)
+        if kept is not None:
+            work.bounds = torch.searchsorted(kept, torch.arange(0, n + self.chunk, self.chunk) // hidden)
+            work.kept = self.rows.on_device = self._to_lanes(kept)  # held until the boundary waited for the lanes
+        return work
+
+    def _advance(self, work: _Pass, waiting: Callable[[], bool] | None = None) -> bool:
+        """Queue `work`'s next chunks: all of them, or, while nothing is `waiting`, with `PACE` at most in flight.
+        Returns whether all are queued."""
+        while work.next * self.chunk < work.n:
+            if waiting is not None:
+                if waiting():
+                    return False
+                if len(work.in_flight) >= PACE:
+                    host_wait(work.in_flight.popleft())
+                    continue
+            self._queue_chunk(work, work.next)
+            work.next += 1
+            if waiting is not None:
+                work.in_flight.append(self.lanes[(work.next - 1) % len(self.lanes)].record())
+        return True
+
+    def _queue_chunk(self, work: _Pass, i: int) -> None:
+        a = i * self.chunk
+        b = min(a + self.chunk, work.n)
+        lane, room, weights = self.lanes[i % len(self.lanes)], self.sets[i % len(self.sets)], work.weights
+        with lane():
+            lane.wait(work.ready)
+            lane.wait(work.free)
+            grad = room.wide[: b - a].zero_() if work.grad is None else work.grad[a:b]
+            rows = None if work.kept is None else work.kept[work.bounds[i] : work.bounds[i + 1]] - a // work.hidden
+            old = None if rows is None else weights[a:b].view(-1, work.hidden).index_select(0, rows)
+            self._chunk(room, work.storage, work.plan, work.groups, work.start + a, grad, work.master[a:b],
+                        tuple(m[a:b] for m in work.moments), work.scale, None if weights is None else weights[a:b],
+                        work.halves)
+            if old is not None:
+                weights[a:b].view(-1, work.hidden).index_copy_(0, rows, old)
 
     def _to_lanes(self, host: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the device for every lane: copied on the first, which the others wait for."""
@@ -516,6 +580,7 @@ class DeviceUpdater:
         """The boundary's part of `run_untouched`: the touched rows from the staging, with their gradient rows,
         updated and their new weights written into the slot, their state back in place. Waits for the copies back
         (the rows are put in place on this thread)."""
+        self.resume_untouched()  # what of the pass is left goes first
         (_, touched, staged), rows.ahead = rows.ahead, None
         if slot is None or not slot.take():
             raise RuntimeError(f"The update of {storage.name}'s touched rows has no GPU slot to write.")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -231,6 +231,7 @@ class UntouchedRows:
     unit: int
     plan: StepPlan
     slot: SlotWrite  # the unit's weight slot (its `free`: the compute event after the forwards that read it)
+    resume: bool = False  # the rest of a pass that gave way to the items queued behind it
 
 
 @dataclass
@@ -362,10 +363,9 @@ class LayerAdam:
             return
         if isinstance(item, UntouchedRows):
             with self._working_on(item.unit):
-                (master, *moments), done = self.moments.open(item.unit, 0, self.storages[item.unit].trainable_numel)
-                self.on_device.run_untouched(self.storages[item.unit], item.plan, item.slot.free, master,
-                                             tuple(moments), item.slot)
-                done()
+                complete = self._untouched_rows(item)
+            if not complete:  # the items waiting go first, then the rest of the pass
+                self.device_worker.put(replace(item, resume=True))
             return
         if isinstance(item, DeferredUpdate):
             with self._working_on(item.unit):
@@ -383,6 +383,16 @@ class LayerAdam:
         item.release()
         if item.update and item.last:
             self._finish(item.unit)
+
+    def _untouched_rows(self, item: UntouchedRows) -> bool:
+        """Queue (more of) the pass over an embedding's untouched rows; whether it is all queued."""
+        if item.resume:
+            return self.on_device.resume_untouched(self.device_worker.waiting)
+        (master, *moments), done = self.moments.open(item.unit, 0, self.storages[item.unit].trainable_numel)
+        complete = self.on_device.run_untouched(self.storages[item.unit], item.plan, item.slot.free, master,
+                                                tuple(moments), item.slot, self.device_worker.waiting)
+        done()
+        return complete
 
     @contextmanager
     def _working_on(self, unit: int) -> Iterator[None]:

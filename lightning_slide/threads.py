@@ -214,6 +214,10 @@ class Worker(threading.Thread, Generic[T]):
     def idle(self) -> bool:
         return self.finished == self.submitted
 
+    def waiting(self) -> bool:
+        """Items are queued behind the one being handled."""
+        return not self._queue.empty()
+
     def stop(self) -> None:
         """End the thread after its queued items; once the run has failed, a thread stuck in one is left behind."""
         self._queue.put(None)

@@ -64,6 +64,28 @@ def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_th
     cpu.close(), gpu.close()
 
 
+def test_the_pass_over_the_untouched_rows_gives_way_to_the_updates_queued_behind_it(monkeypatch):
+    """Every other look finds items waiting: the pass stops after each chunk or two, goes behind them, and the
+    embedding's boundary update queues what is left of it first."""
+    import itertools
+
+    from lightning_slide.threads import Worker
+
+    looks = itertools.cycle([False, True])
+    monkeypatch.setattr(Worker, "waiting", lambda self: next(looks))
+    resumed, resume = [], device_update.DeviceUpdater.resume_untouched
+    monkeypatch.setattr(device_update.DeviceUpdater, "resume_untouched",
+                        lambda self, waiting=None: resumed.append(waiting is not None) or resume(self, waiting))
+    batches = token_batches(3)
+    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.bfloat16, StepMode(), monkeypatch)
+                                          for on in (False, True))
+    _train(cpu, cpu_model, torch.bfloat16, batches)
+    _train(gpu, gpu_model, torch.bfloat16, batches)
+    assert gpu.adam.on_device.rows.steps_ahead == len(batches) and sum(resumed) > len(batches)
+    _assert_same_state(cpu, gpu)
+    cpu.close(), gpu.close()
+
+
 def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_table_at_the_boundary(monkeypatch):
     monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 10)  # 9 rows: every step touches more
     batches = token_batches(2)
