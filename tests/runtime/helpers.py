@@ -156,3 +156,12 @@ def relative_difference(a: torch.nn.Module, b: torch.nn.Module, per_tensor_limit
         assert diff <= per_tensor_limit * float(p.norm()), f"{name} differs by {diff / float(p.norm()):.2e}"
         num, den = num + diff**2, den + float(p.norm()) ** 2
     return math.sqrt(num / den)
+
+
+def assert_same_state(a_engine, b_engine) -> None:
+    """Two engines' flat state bit for bit: every unit's master and both moments (values and scales)."""
+    for a, b in zip(a_engine.storages, b_engine.storages):
+        assert torch.equal(a.master, b.master), a.name
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = getattr(a, key), getattr(b, key)
+            assert torch.equal(x.values, y.values) and (x.scales is None or torch.equal(x.scales, y.scales)), a.name

@@ -11,6 +11,7 @@ import lightning_slide.engine as engine_module
 import lightning_slide.layer_adam as layer_adam
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
 from tests.runtime.helpers import (
+    assert_same_state,
     engine_steps,
     fit,
     param_groups,
@@ -43,7 +44,7 @@ def test_updates_on_the_device_train_bit_for_bit_as_the_cpu_pool(precision, mode
     monkeypatch.setattr(device_update, "code_kernels_on", lambda device: False)  # the codec's torch ops
     pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
     assert device.adam.on_device.chunk == 1024 and not device.adam.on_device.code_kernels
-    _assert_same_state(pool, device)
+    assert_same_state(pool, device)
     pool.close(), device.close()
 
 
@@ -57,16 +58,9 @@ def test_compact_moments_coded_by_the_kernels_train_bit_for_bit_as_the_cpu_pool(
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
     pool, device = (_train(precision, mode, on, monkeypatch) for on in (False, True))
     assert device.adam.on_device.code_kernels
-    _assert_same_state(pool, device)
+    assert_same_state(pool, device)
     pool.close(), device.close()
 
-
-def _assert_same_state(a_engine: SlideEngine, b_engine: SlideEngine) -> None:
-    for a, b in zip(a_engine.storages, b_engine.storages):
-        assert torch.equal(a.master, b.master), a.name
-        for key in ("exp_avg", "exp_avg_sq"):
-            x, y = getattr(a, key), getattr(b, key)
-            assert torch.equal(x.values, y.values) and (x.scales is None or torch.equal(x.scales, y.scales)), a.name
 
 
 @pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
@@ -74,7 +68,7 @@ def test_updates_on_the_device_write_resident_weights_into_their_slots_instead_o
                                                                                                     monkeypatch):
     """Every block resident: after the first step, only what no update wrote is loaded."""
     pool, device = (_train("int8", mode, on, monkeypatch, slots=8) for on in (False, True))
-    _assert_same_state(pool, device)
+    assert_same_state(pool, device)
     loads = [e.window.bytes for e in (pool, device)]
     embedding_and_head = sum(device.storages[u].numel * 4 for u in device.window.dedicated)
     blocks = sum(s.numel * 4 for u, s in enumerate(device.storages) if u not in device.window.dedicated)
@@ -107,7 +101,7 @@ def test_slots_taken_back_before_their_updates_write_there_keep_the_updates_off_
     monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
     pool, device = (_train(precision, mode, on, monkeypatch, slots=slots, gpu_update_blocks=blocks)
                     for on in (False, True))
-    _assert_same_state(pool, device)
+    assert_same_state(pool, device)
     pool.close(), device.close()
 
 
@@ -125,7 +119,7 @@ def test_fp32_blocks_updated_on_the_device_train_bit_for_bit_as_on_the_cpu(mode,
     cpu = _train("fp32", mode, False, monkeypatch)
     device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks=2)
     assert device.adam.on_device.units == {1, 3}
-    _assert_same_state(cpu, device)
+    assert_same_state(cpu, device)
     cpu.close(), device.close()
 
 
@@ -140,7 +134,7 @@ def test_the_embedding_updated_on_the_device_besides_the_blocks_trains_bit_for_b
     cpu = _train("fp32", mode, False, monkeypatch, arch=arch)
     device = _train("fp32", mode, True, monkeypatch, gpu_update_blocks="auto", arch=arch)
     assert 0 in device.adam.on_device.units and len(device.adam.on_device.units) > 1
-    _assert_same_state(cpu, device)
+    assert_same_state(cpu, device)
     cpu.close(), device.close()
 
 

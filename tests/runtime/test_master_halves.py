@@ -15,7 +15,7 @@ import lightning_slide.engine as engine_module
 import lightning_slide.planner as planner
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode, master_halves
 from lightning_slide.planner import ModelShape, Plan, Setup
-from tests.runtime.helpers import CausalLM, param_groups, tiny_model, token_batches, trainer
+from tests.runtime.helpers import CausalLM, assert_same_state, param_groups, tiny_model, token_batches, trainer
 
 MODES = [StepMode(), StepMode(clip_norm=0.05), StepMode(accumulates=True), StepMode(accumulates=True, clip_norm=0.05)]
 MODE_IDS = ["eager", "clipped", "accumulated", "accumulated-clipped"]
@@ -46,12 +46,6 @@ def _steps(engine: SlideEngine, model: torch.nn.Module, steps: int, accumulate: 
         engine.end_step()
 
 
-def _assert_same_state(a: SlideEngine, b: SlideEngine) -> None:
-    for x, y in zip(a.storages, b.storages):
-        assert torch.equal(x.master, y.master), x.name
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(x, key).values, getattr(y, key).values), x.name
-
 
 @pytest.mark.parametrize("slots", [2, 8], ids=["blocks-slide", "all-resident"])
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
@@ -72,7 +66,7 @@ def test_masters_as_planes_train_bit_for_bit_as_whole_masters_on_the_cpu(precisi
     for engine, _ in runs:
         engine.synchronize()
     assert not any(s.halves.planes for s in planes.storages if s.halves is not None)
-    _assert_same_state(runs[0][0], planes)
+    assert_same_state(runs[0][0], planes)
     for engine, _ in runs:
         engine.close()
 
@@ -87,7 +81,7 @@ def test_the_kernels_planes_train_bit_for_bit_as_the_torch_ops(mode, monkeypatch
     for engine, model in runs:
         _steps(engine, model, 3)
         engine.synchronize()
-    _assert_same_state(runs[0][0], runs[1][0])
+    assert_same_state(runs[0][0], runs[1][0])
     for engine, _ in runs:
         engine.close()
 
@@ -124,7 +118,7 @@ def test_blocks_whose_updates_the_first_micro_batch_hides_go_back_to_the_cpu_as_
     assert fitted.adam.on_device.units == {0}
     assert [s.index for s in fitted.storages if s.halves is not None] == [0]
     assert any("GPU for micro-batches of" in note and ": 1 of the" in note for note in fitted.notes)
-    _assert_same_state(runs[0], fitted)
+    assert_same_state(runs[0], fitted)
     for engine in runs:
         engine.close()
 
@@ -344,7 +338,7 @@ def test_units_on_the_disk_tier_keep_whole_masters_beside_the_planes_of_the_othe
         runs.append(engine)
     on_disk = runs[1].moments.on_disk
     assert on_disk and all((s.halves is None) == (s.index in on_disk) for s in runs[1].storages)
-    _assert_same_state(*runs)
+    assert_same_state(*runs)
     for engine in runs:
         engine.close()
 
@@ -404,7 +398,7 @@ def test_24_bit_masters_train_as_whole_masters_rounded_stochastically_after_each
     for engine in (reference, planes):
         engine.synchronize()
     assert all((s.master.view(torch.int32) & 0xFF == 0).all() for s in planes.storages)
-    _assert_same_state(reference, planes)
+    assert_same_state(reference, planes)
     reference.close(), planes.close()
 
 

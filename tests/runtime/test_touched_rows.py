@@ -11,7 +11,7 @@ import lightning_slide.touched_rows as touched_rows
 from lightning_slide import SlideConfig, SlideEngine, StepMode
 from lightning_slide.master_halves import MasterHalves
 from lightning_slide.touched_rows import TouchedRows, rows_of
-from tests.runtime.helpers import param_groups, tiny_model, token_batches
+from tests.runtime.helpers import assert_same_state, param_groups, tiny_model, token_batches
 
 H200_RATES = device_update.UpdateRates(3.1e9, 72e9, 7e14)  # the embedding's update goes to the GPU there
 
@@ -39,12 +39,6 @@ def _train(engine: SlideEngine, model: torch.nn.Module, dtype: torch.dtype, batc
     engine.synchronize()
 
 
-def _assert_same_state(a: SlideEngine, b: SlideEngine) -> None:
-    for x, y in zip(a.storages, b.storages):
-        assert torch.equal(x.master, y.master), x.name
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(x, key).values, getattr(y, key).values), x.name
-
 
 @pytest.mark.parametrize("slots", ["auto", 2], ids=["resident", "blocks-slide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masters", "bf16-planes"])
@@ -60,7 +54,7 @@ def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_th
     _train(cpu, cpu_model, dtype, batches)
     _train(gpu, gpu_model, dtype, batches)
     assert rows.steps_ahead == len(batches)
-    _assert_same_state(cpu, gpu)
+    assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
 
@@ -82,7 +76,7 @@ def test_the_pass_over_the_untouched_rows_gives_way_to_the_updates_queued_behind
     _train(cpu, cpu_model, torch.bfloat16, batches)
     _train(gpu, gpu_model, torch.bfloat16, batches)
     assert gpu.adam.on_device.rows.steps_ahead == len(batches) and sum(resumed) > len(batches)
-    _assert_same_state(cpu, gpu)
+    assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
 
@@ -94,7 +88,7 @@ def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_tabl
     _train(cpu, cpu_model, torch.float32, batches)
     _train(gpu, gpu_model, torch.float32, batches)
     assert gpu.adam.on_device.rows.steps_ahead == 0
-    _assert_same_state(cpu, gpu)
+    assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
 
@@ -107,7 +101,7 @@ def test_without_host_ram_to_spare_for_the_staging_the_embedding_updates_whole(m
     _train(cpu, cpu_model, torch.float32, batches)
     _train(gpu, gpu_model, torch.float32, batches)
     assert gpu.adam.on_device.rows is None and any("updates whole" in note for note in gpu.notes)
-    _assert_same_state(cpu, gpu)
+    assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
 
