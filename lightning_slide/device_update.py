@@ -464,7 +464,8 @@ class DeviceUpdater:
         """Queue AdamW over [start, start + len(grad)) of `storage`'s trainable range: `master` and `moments` are
         that range's host copies (the master's planes instead, where the unit holds them), `grad` is on the device
         (after `ready`) or on the host; the new weights also go into `slot` unless the window took it back.
-        Returns the event after which the host copies (and the slot) hold the result and `grad` may be reused."""
+        Returns the event after which the host copies (and the slot) hold the result and `grad` may be reused; an
+        embedding's touched rows (`run_untouched`) reach the host copies only with `put_back`, on this thread."""
         rows = self.rows
         if rows is not None and rows.ahead is not None and rows.ahead[0] == (storage.index, plan.step):
             return self._run_touched(storage, plan, grad, ready, master, moments, slot, rows)
@@ -578,8 +579,8 @@ class DeviceUpdater:
                      master: torch.Tensor, moments: tuple[Packed, Packed], slot: SlotWrite | None,
                      rows: TouchedRows) -> object:
         """The boundary's part of `run_untouched`: the touched rows from the staging, with their gradient rows,
-        updated and their new weights written into the slot, their state back in place. Waits for the copies back
-        (the rows are put in place on this thread)."""
+        updated and their new weights written into the slot, their state back into the staging; `put_back` then
+        puts it in place on the host (the next forward does not wait for that)."""
         self.resume_untouched()  # what of the pass is left goes first
         (_, touched, staged), rows.ahead = rows.ahead, None
         if slot is None or not slot.take():
@@ -600,9 +601,17 @@ class DeviceUpdater:
                 self._rows_chunk(room, plan, groups, index[a:b], grads, table, [s[a:b] for s in staged], scale,
                                  halves)
         done = self._joined()
-        host_wait(done)
-        rows.scatter(touched, rows_of(master, halves, tuple(m.values for m in moments), hidden), staged)
+        rows.back = (done, touched, rows_of(master, halves, tuple(m.values for m in moments), hidden), staged)
         return done
+
+    def put_back(self) -> None:
+        """The touched rows' state, once back in the staging, into its places on the host (before anything reads
+        it there: the next pass over the untouched rows, a `drain`)."""
+        if self.rows is None or self.rows.back is None:
+            return
+        (done, touched, places, staged), self.rows.back = self.rows.back, None
+        host_wait(done)
+        self.rows.scatter(touched, places, staged)
 
     def _rows_chunk(self, room: _Buffers, plan: StepPlan, groups: tuple[list[list[float]], list[list[bool]],
                     list[int]], index: torch.Tensor, grads: torch.Tensor, table: torch.Tensor,

@@ -235,6 +235,13 @@ class UntouchedRows:
 
 
 @dataclass
+class TouchedRowsBack:
+    """Put an embedding's touched rows, updated at the step's end, back in place on the host (`touched_rows`)."""
+
+    unit: int
+
+
+@dataclass
 class DeferredUpdate:
     """Update a whole unit from the gradient its step held on the host (after clipping or manual optimization):
     fp32 sums, or the one gradient as it came."""
@@ -245,7 +252,7 @@ class DeferredUpdate:
     slot: SlotWrite | None = None  # the unit's weight slot, for the new weights (an update on the GPU)
 
 
-Item = GradChunk | DeferredUpdate | DeviceGrad | UntouchedRows  # what the optimizer threads take
+Item = GradChunk | DeferredUpdate | DeviceGrad | UntouchedRows | TouchedRowsBack  # what the optimizer threads take
 
 
 class Scratch:
@@ -360,6 +367,12 @@ class LayerAdam:
                 event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False, slot=item.slot)
             item.done(event)
             self._finish(item.unit)
+            if self.on_device.rows is not None and self.on_device.rows.back is not None:
+                self.device_worker.put(TouchedRowsBack(item.unit))  # off the next forward's path
+            return
+        if isinstance(item, TouchedRowsBack):
+            with self._working_on(item.unit):
+                self.on_device.put_back()
             return
         if isinstance(item, UntouchedRows):
             with self._working_on(item.unit):

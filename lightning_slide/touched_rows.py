@@ -46,6 +46,7 @@ class TouchedRows:
         self.steps_ahead = 0  # steps whose untouched rows were updated ahead, for the engine's stats
         self.on_device: torch.Tensor | None = None  # the touched rows' indices, while the lanes may read them
         self.underway: object = None  # the updater's pass over the untouched rows, while it is being queued
+        self.back: tuple | None = None  # (event, rows, their places, staged) until the touched rows are put back
 
     def staging_bytes(self, tokens: int) -> int:
         """Pinned bytes of the staging for micro-batches of `tokens` (`reserve`)."""
