@@ -588,6 +588,8 @@ class DeviceUpdater:
         hidden, per = rows.hidden, self.chunk // rows.hidden
         table = slot.params[: master.numel()].view(-1, hidden)
         grads = grad.view(-1, hidden)
+        if rows.grads is not None:  # held on the host: the touched rows' gradient goes up with their state
+            grads = torch.index_select(grads, 0, touched, out=rows.grads[: touched.numel()])
         index = self._to_lanes(touched)
         halves = storage.halves if storage.halves is not None and storage.halves.planes else None
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
@@ -598,8 +600,9 @@ class DeviceUpdater:
             with lane():
                 lane.wait(ready)
                 lane.wait(slot.free)
-                self._rows_chunk(room, plan, groups, index[a:b], grads, table, [s[a:b] for s in staged], scale,
-                                 halves)
+                staged_grads = rows.grads is not None
+                self._rows_chunk(room, plan, groups, index[a:b], grads[a:b] if staged_grads else grads, table,
+                                 [s[a:b] for s in staged], scale, halves, staged_grads)
         done = self._joined()
         rows.back = (done, touched, rows_of(master, halves, tuple(m.values for m in moments), hidden), staged)
         return done
@@ -615,7 +618,8 @@ class DeviceUpdater:
 
     def _rows_chunk(self, room: _Buffers, plan: StepPlan, groups: tuple[list[list[float]], list[list[bool]],
                     list[int]], index: torch.Tensor, grads: torch.Tensor, table: torch.Tensor,
-                    staged: list[torch.Tensor], scale: float | None, halves: MasterHalves | None) -> None:
+                    staged: list[torch.Tensor], scale: float | None, halves: MasterHalves | None,
+                    staged_grads: bool) -> None:
         """Rows `index` of an embedding on the current lane: their staged state up, their gradient rows and slot
         weights gathered on the device, the update, the new weights scattered into the slot, the state back."""
         k, hidden = index.numel(), table.shape[1]
@@ -632,7 +636,10 @@ class DeviceUpdater:
             parity = room.parity[: n // 8].copy_(master_rows[1].view(-1), non_blocking=True)
             gm = self.planes.join(weights.view(-1), low, parity, room.master[:n])
         g = room.grad[: n * grads.element_size()].view(grads.dtype).view(k, hidden)
-        torch.index_select(grads, 0, index, out=g)
+        if staged_grads:  # the chunk's rows of a gradient held on the host, gathered there
+            g.copy_(grads, non_blocking=True)
+        else:  # the whole table's gradient on the device
+            torch.index_select(grads, 0, index, out=g)
         hyper, flags, bounds = groups
         wide = room.wide if grads.dtype != torch.float32 else torch.empty(0, device=self.device)
         scripted(adam_pieces)(0, 1, max(n, 1), 0, g.view(-1), gm, "fp32", values, [None, None],

@@ -186,16 +186,19 @@ class SlideEngine:
         for u in units if bits is not None else ():
             self.storages[u].add_halves(updater.chunk, bits)
         if table is not None and touched_rows.applies(updater.chunk, table[1], bits):
-            updater.rows = TouchedRows(0, *table, on, bits)
+            updater.rows = TouchedRows(0, *table, on, bits, self.mode.held_dtype(self.dtype))
         return updater
 
     def _untied_table(self, units: list[int]) -> tuple[int, int] | None:
         """(vocab, hidden) of an embedding whose untouched rows the GPU can update ahead (`touched_rows`): the
         first unit, a plain `nn.Embedding` whose weight is its only trainable range, read by no other part, its
-        update on the GPU with fp32 moments in RAM, in eager steps (whose gradient stays on the GPU)."""
+        update on the GPU with fp32 moments in RAM, in steps that update each unit whole (eager steps, or clipped
+        ones after the backward; not eager accumulation, whose sums are updated as they land, chunk by chunk) and
+        are known before their last backward (not manual optimization, nor Fabric)."""
         parts = [p for p in self.parts if 0 in p.owners]
         storage = self.storages[0]
-        if (0 not in units or self.config.moment_precision != "fp32" or self.mode.holds_grads or self.mode.deferred
+        chunked = self.mode.holds_grads and not self.mode.deferred
+        if (0 not in units or self.config.moment_precision != "fp32" or chunked or self.mode.manual
                 or len(parts) != 1 or parts[0].unit != 0 or len(storage.params) != 1):
             return None
         module, weight = parts[0].module, storage.params[0]
@@ -539,10 +542,12 @@ class SlideEngine:
 
     def _reserve_rows(self, tokens: int) -> None:
         """At the first training micro-batch: the staging of the embedding's touched rows (`touched_rows`), for
-        micro-batches of `tokens`, or none where host RAM is short (the embedding then updates whole)."""
+        steps of micro-batches of `tokens` (as many rows as they can touch), or none where host RAM is short (the
+        embedding then updates whole)."""
         rows = self._rows
         if rows is None or rows.capacity:
             return
+        tokens = rows.vocab if self.mode.accumulates else tokens  # a window's micro-batches are not known
         if rows.reserve(tokens, available_ram() - host_headroom()):
             self.notes.append(f"the embedding's rows no token touched are updated ahead of its gradient (staging for "
                               f"{rows.capacity} touched rows, {rows.staging_bytes(tokens) / 2**30:.2f} GiB pinned)")

@@ -367,8 +367,7 @@ class LayerAdam:
                 event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False, slot=item.slot)
             item.done(event)
             self._finish(item.unit)
-            if self.on_device.rows is not None and self.on_device.rows.back is not None:
-                self.device_worker.put(TouchedRowsBack(item.unit))  # off the next forward's path
+            self._put_back_later(item.unit)
             return
         if isinstance(item, TouchedRowsBack):
             with self._working_on(item.unit):
@@ -385,6 +384,7 @@ class LayerAdam:
                 for start, n in self.moments.spans(item.unit):
                     self._update(item.unit, item.plan, start, item.grads[start : start + n], slot=item.slot)
             self._finish(item.unit)
+            self._put_back_later(item.unit)
             return
         host_wait(item.ready)
         with self._working_on(item.unit):
@@ -396,6 +396,12 @@ class LayerAdam:
         item.release()
         if item.update and item.last:
             self._finish(item.unit)
+
+    def _put_back_later(self, unit: int) -> None:
+        """An embedding's touched rows just updated on the GPU go back in place on the host by an item of their own,
+        off the path of the next forward, which waits for the unit's update (`DeviceUpdater.put_back`)."""
+        if self.on_device is not None and self.on_device.rows is not None and self.on_device.rows.back is not None:
+            self.device_worker.put(TouchedRowsBack(unit))
 
     def _untouched_rows(self, item: UntouchedRows) -> bool:
         """Queue (more of) the pass over an embedding's untouched rows; whether it is all queued."""

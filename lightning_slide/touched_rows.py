@@ -8,12 +8,13 @@ zero gradient, and AdamW's update of it (the moments decayed, the weight decayed
 not depend on the gradient otherwise. So once the step's last backward has begun, the GPU updates the whole table
 with a zero gradient (`DeviceUpdater.run_untouched`), beside the backward; the touched rows' old state is gathered
 first into pinned staging here, and at the boundary only those rows go up, are updated with their gradient rows,
-and come back (`DeviceUpdater.run` then takes the touched rows only). Every element goes through the same
-elementwise fused AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
+and come back (`DeviceUpdater.run` then takes the touched rows only; a clipped step's gradient, held on the host
+for the norm, has its touched rows gathered there as well). Every element goes through the same elementwise fused
+AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
 
-The staging is reserved at the first training micro-batch, for as many rows as its tokens (at most half the
-table), where that takes at most `RAM_SHARE` of the host RAM free then; a step whose tokens touch more rows than it
-holds updates the whole table at the boundary.
+The staging is reserved at the first training micro-batch, for as many rows as its tokens (as a window of several
+can touch, with accumulation; at most half the table), where that takes at most `RAM_SHARE` of the host RAM free
+then; a step whose tokens touch more rows than it holds updates the whole table at the boundary.
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ class TouchedRows:
     mask that its forwards mark (`see`), sent to the host when the step's last backward begins (`send`), and pinned
     staging for the touched rows' state (`reserve`, `gather`, `scatter`)."""
 
-    def __init__(self, unit: int, vocab: int, hidden: int, device: torch.device, plane_bits: int | None) -> None:
+    def __init__(self, unit: int, vocab: int, hidden: int, device: torch.device, plane_bits: int | None,
+                 held: torch.dtype | None = None) -> None:
+        """`held`: the dtype a step's gradient waits in on the host (clipped steps), whose touched rows the staging
+        gathers too; None where the gradient stays on the device (eager steps)."""
         self.unit, self.vocab, self.hidden, self.device, self.plane_bits = unit, vocab, hidden, device, plane_bits
+        self.held = held
+        self.grads: torch.Tensor | None = None  # staging for the touched rows of a gradient held on the host
         self.mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.host = host_empty(vocab, torch.uint8).view(torch.bool)
         self._pinned = [self.host] if device.type == "cuda" and pin_(self.host) else []
@@ -50,7 +56,8 @@ class TouchedRows:
 
     def staging_bytes(self, tokens: int) -> int:
         """Pinned bytes of the staging for micro-batches of `tokens` (`reserve`)."""
-        return int(self._rows_for(tokens) * self.hidden * _row_bytes(self.plane_bits))
+        held = 0 if self.held is None else self.held.itemsize
+        return int(self._rows_for(tokens) * self.hidden * (_row_bytes(self.plane_bits) + held))
 
     def _rows_for(self, tokens: int) -> int:
         return min(self.vocab // CAPACITY_SHARE, tokens)
@@ -65,7 +72,9 @@ class TouchedRows:
         master = [host_empty(n)] if self.plane_bits is None else [
             host_empty(n, LOW_DTYPES[self.plane_bits]), host_empty(n // 8, torch.uint8)]
         self.staging = [*master, host_empty(n), host_empty(n)]
-        self._pinned += [t for t in self.staging if self.device.type == "cuda" and pin_(t)]
+        self.grads = None if self.held is None else host_empty(n, self.held).view(rows, self.hidden)
+        locked = [*self.staging, *([] if self.grads is None else [self.grads])]
+        self._pinned += [t for t in locked if self.device.type == "cuda" and pin_(t)]
         return True
 
     def see(self, ids: torch.Tensor) -> None:

@@ -93,11 +93,12 @@ def test_blocks_whose_updates_the_step_hides_go_back_to_the_cpu_and_the_run_matc
     assert relative_difference(expected, got.model) <= 1e-5
 
 
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"], ids=["fp32-masters", "bf16-planes"])
-def test_untouched_rows_updated_ahead_on_cuda_train_bit_for_bit_as_the_whole_table(precision, monkeypatch):
+def test_untouched_rows_updated_ahead_on_cuda_train_bit_for_bit_as_the_whole_table(precision, clip, monkeypatch):
     """The embedding's update on the GPU (at the H200 machine's rates, with every block's hidden by the step),
-    eager steps whose tokens touch some of its rows: the parameters of the same run with the staging refused,
-    which updates the whole table at each step's end."""
+    steps whose tokens touch some of its rows (clipped ones hold the gradient on the host): the parameters of the
+    same run with the staging refused, which updates the whole table at each step's end."""
     import lightning_slide.device_update as device_update
     import lightning_slide.touched_rows as touched_rows
     from lightning_slide import SlideStrategy
@@ -109,7 +110,7 @@ def test_untouched_rows_updated_ahead_on_cuda_train_bit_for_bit_as_the_whole_tab
     model, batches, runs = tiny_model("llama"), token_batches(STEPS), []
     for share in (touched_rows.RAM_SHARE, 1 << 62):
         monkeypatch.setattr(touched_rows, "RAM_SHARE", share)
-        runs.append(fit(model, batches, SlideStrategy(use_kernels=False), STEPS, precision=precision,
+        runs.append(fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=clip, precision=precision,
                         accelerator="gpu"))
     assert len(ahead) == STEPS
     for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()):

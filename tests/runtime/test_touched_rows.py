@@ -28,32 +28,44 @@ def _engine(on_device: bool, dtype: torch.dtype, mode: StepMode, monkeypatch, ar
     return engine, model
 
 
-def _train(engine: SlideEngine, model: torch.nn.Module, dtype: torch.dtype, batches: list[torch.Tensor]) -> None:
+def _train(engine: SlideEngine, model: torch.nn.Module, dtype: torch.dtype, batches: list[torch.Tensor],
+           accumulate: int = 1) -> None:
     """Steps as a fit takes them (no synchronize between them), then the state made whole."""
-    for x in batches:
+    for i, x in enumerate(batches):
         engine.new_micro_batch(x.numel())
-        engine.begin_step()
+        if i % accumulate == accumulate - 1:
+            engine.begin_step()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             model(input_ids=x, labels=x).loss.backward()
-        engine.end_step()
+        if i % accumulate == accumulate - 1:
+            engine.end_step()
     engine.synchronize()
 
 
 
+MODES = {"eager": (StepMode(), 1), "clipped": (StepMode(clip_norm=0.05), 1),
+         "accumulated-clipped": (StepMode(accumulates=True, clip_norm=0.05), 2)}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("slots", ["auto", 2], ids=["resident", "blocks-slide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masters", "bf16-planes"])
-def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_the_cpu(dtype, slots, monkeypatch):
+def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_the_cpu(dtype, slots, mode,
+                                                                                      monkeypatch):
     """Uniform random tokens touch some of the 97 rows in each step; with bf16 compute the master trains as planes
-    (the touched rows' low plane gathered across chunks, the last one shorter)."""
-    batches = token_batches(4)
-    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, dtype, StepMode(), monkeypatch, slots=slots)
+    (the touched rows' low plane gathered across chunks, the last one shorter). Clipped steps hold the gradient on
+    the host (bf16, or fp32 sums over the window's micro-batches), whose touched rows go up with their state."""
+    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 1)  # room for all 97 rows: every step goes ahead
+    step_mode, accumulate = MODES[mode]
+    batches = token_batches(4 * accumulate)
+    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, dtype, step_mode, monkeypatch, slots=slots)
                                           for on in (False, True))
     rows = gpu.adam.on_device.rows
-    assert rows is not None and 0 in gpu.adam.on_device.units
+    assert rows is not None and 0 in gpu.adam.on_device.units and (rows.held is None) == (mode == "eager")
     assert (gpu.storages[0].halves is not None) == (dtype == torch.bfloat16)
-    _train(cpu, cpu_model, dtype, batches)
-    _train(gpu, gpu_model, dtype, batches)
-    assert rows.steps_ahead == len(batches)
+    _train(cpu, cpu_model, dtype, batches, accumulate)
+    _train(gpu, gpu_model, dtype, batches, accumulate)
+    assert rows.steps_ahead == len(batches) // accumulate
     assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
@@ -105,11 +117,13 @@ def test_without_host_ram_to_spare_for_the_staging_the_embedding_updates_whole(m
     cpu.close(), gpu.close()
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("qwen2-tied", StepMode()), ("llama", StepMode(clip_norm=0.05)),
-                                            ("llama", StepMode(accumulates=True))],
-                         ids=["tied", "clipped", "accumulated"])
-def test_rows_are_updated_ahead_only_for_an_untied_embedding_in_eager_steps(arch, mode, monkeypatch):
-    """A tied embedding is read by the head after the forward that marked it; held gradients are on the host."""
+@pytest.mark.parametrize(("arch", "mode"), [("qwen2-tied", StepMode()), ("llama", StepMode(accumulates=True)),
+                                            ("llama", StepMode(accumulates=True, manual=True))],
+                         ids=["tied", "accumulated", "manual"])
+def test_rows_are_updated_ahead_only_for_an_untied_embedding_updated_whole_in_a_step_known_before_its_backward(
+        arch, mode, monkeypatch):
+    """A tied embedding is read by the head after the forward that marked it; eager accumulation updates the sums
+    chunk by chunk as they land; manual optimization's step is known only after its backwards."""
     engine, _ = _engine(True, torch.float32, mode, monkeypatch, arch=arch)
     assert 0 in engine.adam.on_device.units and engine.adam.on_device.rows is None
     engine.close()
