@@ -75,7 +75,14 @@ def fill_normal_(tensor: torch.Tensor) -> None:
         part.copy_(torch.empty(part.shape, device="cuda", dtype=part.dtype).normal_(0.0, INIT_STD))
 
 
-def random_tokens(spec: ModelSpec, rows: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """rows x seq_len token ids, uniform over the vocabulary, from a fixed seed (no padding)."""
+def random_tokens(spec: ModelSpec, rows: int, seq_len: int, seed: int = 0, zipf: float | None = None) -> torch.Tensor:
+    """rows x seq_len token ids from a fixed seed (no padding): uniform over the vocabulary, or with `zipf`, the
+    k-th most frequent id drawn with a probability proportional to 1 / k ** zipf, the ranks shuffled over the
+    ids (text's skew: at 65,536 tokens of Llama-3's 128,256 ids, exponent 1 touches about 15% of them, uniform
+    ids about 40%)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, spec.vocab, (rows, seq_len), generator=generator)
+    if zipf is None:
+        return torch.randint(0, spec.vocab, (rows, seq_len), generator=generator)
+    weights = torch.arange(1, spec.vocab + 1, dtype=torch.float64).pow_(-zipf)
+    ranks = torch.multinomial(weights, rows * seq_len, replacement=True, generator=generator)
+    return torch.randperm(spec.vocab, generator=generator)[ranks].view(rows, seq_len)

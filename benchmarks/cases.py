@@ -60,6 +60,7 @@ class Case:
     adam_params: int = 500_000_000
     slide_settings: Settings = ()  # SlideStrategy keyword arguments, e.g. (("recompute", "always"),)
     clip: float | None = None
+    zipf: float | None = None  # token ids with a Zipf law's skew of this exponent, else uniform (`random_tokens`)
     rungs: tuple[int, ...] = ()
     grow: Grow = "micro_batch"
     steps_per_rung: int = 2
@@ -95,11 +96,13 @@ _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "recompute": "r
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
-              settings: Settings = (), clip: float | None = None) -> str:
-    """Names like `llama3_8b-mb64-cap24-slide-cpu` (seq appears only when it is not 1024, clip when set)."""
+              settings: Settings = (), clip: float | None = None, zipf: float | None = None) -> str:
+    """Names like `llama3_8b-mb64-cap24-slide-cpu` (seq appears only when it is not 1024, clip and zipf when
+    set)."""
     seq = "" if seq_len == 1024 else f"-seq{seq_len}"
     clipped = "" if clip is None else f"-clip{clip:g}"
-    return f"{model}-mb{micro_batch}{seq}-{_cap(cap_gib)}-{_system_tag(system, settings)}{clipped}"
+    skewed = "" if zipf is None else f"-zipf{zipf:g}"
+    return f"{model}-mb{micro_batch}{seq}-{_cap(cap_gib)}-{_system_tag(system, settings)}{clipped}{skewed}"
 
 
 def _cap(cap_gib: float | None) -> str:
@@ -124,7 +127,8 @@ def make(system: str, model: str, micro_batch: int = 1, seq_len: int = 1024, cap
         raise ValueError(f"clip applies to the Lightning systems {OFFLOAD_SYSTEMS}, not {system!r}")
     step = estimate.step_s(system, model, micro_batch, seq_len, settings)
     warmup = warmup if warmup is not None else (2 if step >= 3.5 else 3)
-    name = name or case_name(system, model, micro_batch, seq_len, cap_gib, slide_settings, clip)  # type: ignore[arg-type]
+    name = name or case_name(system, model, micro_batch, seq_len, cap_gib, slide_settings, clip,  # type: ignore[arg-type]
+                             kw.get("zipf"))  # type: ignore[arg-type]
     case = Case(name, system, model, micro_batch, seq_len, cap_gib, warmup=warmup, slide_settings=slide_settings,
                 **kw)  # type: ignore[arg-type]
     steps = case.warmup + case.steps + case.profile_steps
@@ -345,6 +349,9 @@ SUITES: dict[str, list[Case]] = {
     # the CPU
     "boundary": [make("slide", "llama3_8b", 64, slide_settings=settings)
                  for settings in ((), (("gpu_update_blocks", 0),))],
+    # the embedding's untouched rows updated ahead of its gradient (`touched_rows`), at 8B 8x1024 and 64x1024, over
+    # uniform token ids and over ids with text's skew (a Zipf law of exponent 1: far fewer rows touched)
+    "touched_rows": [make("slide", "llama3_8b", mb, zipf=zipf) for mb in (8, 64) for zipf in (None, 1.0)],
     # 8x1024, where the backward waits for free gradient buffers: the default 3 against 6, at 3B and 8B
     "grad_buffers": [make("slide", model, 8, slide_settings=settings) for model in ("llama3_3b", "llama3_8b")
                      for settings in ((), (("block_grad_buffers", 6),))],

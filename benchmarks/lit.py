@@ -135,7 +135,7 @@ def run_lightning(case: Case, device: torch.device) -> dict:
     clock = WindowClock(case.warmup, case.steps, device, case.profile_steps)
     callback = ClockCallback(clock)
     rows = clock.total_steps * case.micro_batch
-    data = DataLoader(TensorDataset(random_tokens(MODELS[case.model], rows, case.seq_len)),
+    data = DataLoader(TensorDataset(random_tokens(MODELS[case.model], rows, case.seq_len, zipf=case.zipf)),
                       batch_size=case.micro_batch)
     config = _fit(case, device, data, clock.total_steps, case.seq_len, callback)
     return {**clock.summary(case.tokens_per_step), "first_step_at": clock.first_step_at,

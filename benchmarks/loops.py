@@ -135,7 +135,8 @@ def run_timed(case: Case, device: torch.device) -> dict:
     (already on the device)."""
     step = make_step(case, device, case.seq_len)
     clock = WindowClock(case.warmup, case.steps, device, case.profile_steps)
-    data = random_tokens(MODELS[case.model], clock.total_steps * case.micro_batch, case.seq_len).to(device)
+    data = random_tokens(MODELS[case.model], clock.total_steps * case.micro_batch, case.seq_len,
+                         zipf=case.zipf).to(device)
     for batch in data.split(case.micro_batch):
         clock.tick(step(batch))
     return {**clock.summary(case.tokens_per_step),

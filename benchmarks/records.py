@@ -57,7 +57,9 @@ def base_record(case: Case) -> dict:
         "device": case.device, "timed_steps": case.steps, "warmup_steps": case.warmup,
         "profile_steps": case.profile_steps,
         "flop_formula": FLOP_FORMULAS["6nt"], "flop_formula_full": FLOP_FORMULAS["full"],
-        "data": "uniform random token ids, fixed seed, every token real (no padding)",
+        "data": ("uniform random token ids" if case.zipf is None else f"token ids with a Zipf law's skew "
+                 f"(exponent {case.zipf:g}, ranks shuffled over the vocabulary)") + ", fixed seed, every token "
+                "real (no padding)",
     }
 
 

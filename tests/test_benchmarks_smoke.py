@@ -106,9 +106,21 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
 
 def test_suites_are_named_for_what_they_measure() -> None:
     assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "ladders",
-                           "long", "tiling", "gpu_updates", "boundary", "grad_buffers", "compact_moments", "smoke",
-                           "full"}
+                           "long", "tiling", "gpu_updates", "boundary", "touched_rows", "grad_buffers",
+                           "compact_moments", "smoke", "full"}
     assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
+
+
+def test_zipf_cases_draw_token_ids_with_texts_skew_and_say_so_in_their_names() -> None:
+    from benchmarks.build import random_tokens
+    from benchmarks.models import MODELS
+
+    spec = MODELS["llama3_8b"]
+    uniform, skewed = (random_tokens(spec, 8, 1024, zipf=z) for z in (None, 1.0))
+    assert skewed.shape == uniform.shape and int(skewed.min()) >= 0 and int(skewed.max()) < spec.vocab
+    assert skewed.unique().numel() < 0.5 * uniform.unique().numel()
+    assert torch.equal(skewed, random_tokens(spec, 8, 1024, zipf=1.0))  # a fixed seed
+    assert {c.name for c in SUITES["touched_rows"]} >= {"llama3_8b-mb8-cap24-slide-cpu-zipf1"}
 
 
 def test_the_long_ladders_tile_their_mlps_and_every_rung_fits_their_time_caps_as_estimated() -> None:
