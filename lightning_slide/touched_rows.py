@@ -52,7 +52,8 @@ class TouchedRows:
         self.steps_ahead = 0  # steps whose untouched rows were updated ahead, for the engine's stats
         self.on_device: torch.Tensor | None = None  # the touched rows' indices, while the lanes may read them
         self.underway: object = None  # the updater's pass over the untouched rows, while it is being queued
-        self.back: tuple | None = None  # (event, rows, their places, staged) until the touched rows are put back
+        # (event, rows, their places, their staged state) until the touched rows are put back in place
+        self.back: tuple[object, torch.Tensor, list[_Rows | _ChunkRows], list[torch.Tensor]] | None = None
 
     def staging_bytes(self, tokens: int) -> int:
         """Pinned bytes of the staging for micro-batches of `tokens` (`reserve`)."""
@@ -95,17 +96,17 @@ class TouchedRows:
         rows = self.host.nonzero().flatten()
         return rows if 0 < rows.numel() <= self.capacity else None
 
-    def gather(self, rows: torch.Tensor, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`rows` of each source (a `rows_of` view) into the staging, in order; returns the staged rows."""
+    def gather(self, rows: torch.Tensor, sources: list[_Rows | _ChunkRows]) -> list[torch.Tensor]:
+        """`rows` of each source (`rows_of`) into the staging, in order; returns the staged rows."""
         staged = [s[: rows.numel() * self._width(s)].view(rows.numel(), -1) for s in self.staging]
-        for view, into in zip(sources, staged):
-            torch.index_select(view, 0, rows, out=into) if not isinstance(view, _ChunkRows) else view.gather(rows, into)
+        for source, into in zip(sources, staged):
+            source.gather(rows, into)
         return staged
 
-    def scatter(self, rows: torch.Tensor, targets: list[torch.Tensor], staged: list[torch.Tensor]) -> None:
+    def scatter(self, rows: torch.Tensor, places: list[_Rows | _ChunkRows], staged: list[torch.Tensor]) -> None:
         """`gather`'s way back: the staged rows into their places."""
-        for view, rows_in in zip(targets, staged):
-            view.index_copy_(0, rows, rows_in) if not isinstance(view, _ChunkRows) else view.scatter(rows, rows_in)
+        for place, rows_in in zip(places, staged):
+            place.scatter(rows, rows_in)
 
     def _width(self, staging: torch.Tensor) -> int:
         return staging.numel() // self.capacity
@@ -120,6 +121,19 @@ def _row_bytes(plane_bits: int | None) -> float:
     """Staged bytes per element of a row: the fp32 master (or its low plane and parity bit), both fp32 moments."""
     master = 4 if plane_bits is None else LOW_DTYPES[plane_bits].itemsize + 1 / 8
     return master + 8
+
+
+class _Rows:
+    """Host state viewed as rows (`vocab` x its width per row)."""
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view = view
+
+    def gather(self, rows: torch.Tensor, into: torch.Tensor) -> None:
+        torch.index_select(self.view, 0, rows, out=into)
+
+    def scatter(self, rows: torch.Tensor, rows_in: torch.Tensor) -> None:
+        self.view.index_copy_(0, rows, rows_in)
 
 
 class _ChunkRows:
@@ -156,13 +170,13 @@ class _ChunkRows:
 
 
 def rows_of(master: torch.Tensor, halves: MasterHalves | None, moments: tuple[torch.Tensor, torch.Tensor],
-            hidden: int) -> list[torch.Tensor | _ChunkRows]:
+            hidden: int) -> list[_Rows | _ChunkRows]:
     """The host state of an embedding's rows, in `TouchedRows.staging`'s order: its fp32 master (or, as planes,
     its low plane and parities), then both moments, each indexable by row."""
     vocab = master.numel() // hidden
-    masters = [master.view(vocab, hidden)] if halves is None else [
-        _ChunkRows(halves, hidden), halves.parity[: vocab * hidden // 8].view(vocab, hidden // 8)]
-    return [*masters, *(m.view(vocab, hidden) for m in moments)]
+    masters = [_Rows(master.view(vocab, hidden))] if halves is None else [
+        _ChunkRows(halves, hidden), _Rows(halves.parity[: vocab * hidden // 8].view(vocab, hidden // 8))]
+    return [*masters, *(_Rows(m.view(vocab, hidden)) for m in moments)]
 
 
 def applies(chunk: int, hidden: int, plane_bits: int | None) -> bool:
