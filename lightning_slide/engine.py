@@ -390,7 +390,7 @@ class SlideEngine:
         not to come, `end_step` stops the run): the rows its tokens did not touch are updated now, beside the
         backward (`touched_rows`)."""
         rows, book = self._rows, self.grads.book
-        if (rows is None or self._rows_sent or book.plan is None or not book.pending[rows.unit]
+        if (rows is None or not rows.capacity or self._rows_sent or book.plan is None or not book.pending[rows.unit]
                 or not self.adam.updates_on_device(rows.unit)):
             return
         self._rows_sent = True
@@ -423,7 +423,6 @@ class SlideEngine:
         self.graphs.new_micro_batch()
         if tokens is not None:
             self._fit_gpu_split(tokens)
-            self._reserve_rows(tokens)
             if self._adapted and tokens > self._adapted_tokens:
                 self._reopen_adaptation()
             self._step_tokens = max(self._step_tokens, tokens)
@@ -497,6 +496,8 @@ class SlideEngine:
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
+        if self._step_tokens:
+            self._reserve_rows(self._step_tokens)
         self._step_tokens = 0
 
     def allocated(self) -> int:
@@ -541,9 +542,9 @@ class SlideEngine:
                           f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates)")
 
     def _reserve_rows(self, tokens: int) -> None:
-        """At the first training micro-batch: the staging of the embedding's touched rows (`touched_rows`), for
-        steps of micro-batches of `tokens` (as many rows as they can touch), or none where host RAM is short (the
-        embedding then updates whole)."""
+        """After the first step, whose buffers then hold their host memory: the staging of the embedding's touched
+        rows (`touched_rows`), for steps of micro-batches of `tokens` (as many rows as they can touch), or none
+        where host RAM is short (the embedding then updates whole)."""
         rows = self._rows
         if rows is None or rows.capacity:
             return

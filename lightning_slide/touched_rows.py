@@ -12,9 +12,10 @@ and come back (`DeviceUpdater.run` then takes the touched rows only; a clipped s
 for the norm, has its touched rows gathered there as well). Every element goes through the same elementwise fused
 AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
 
-The staging is reserved at the first training micro-batch, for as many rows as its tokens (as a window of several
-can touch, with accumulation; at most half the table), where that takes at most `RAM_SHARE` of the host RAM free
-then; a step whose tokens touch more rows than it holds updates the whole table at the boundary.
+The staging is reserved after the first training step, whose own buffers then hold their host memory: for as many
+rows as its micro-batches' tokens (as a window of several can touch, with accumulation; at most half the table),
+where that takes at most `RAM_SHARE` of the host RAM free then. The first step, and a step whose tokens touch more
+rows than the staging holds, update the whole table at the boundary.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane, host_wait
 
 CAPACITY_SHARE = 2  # staging for at most 1/2 of the table's rows (51% of Llama-3's at 64 x 1024 random tokens)
-RAM_SHARE = 8  # ... taking at most 1/8 of the free host RAM, so that the batch's own buffers keep their room
+RAM_SHARE = 4  # ... taking at most 1/4 of the host RAM free after the first step (its own buffers allocated)
 
 
 class TouchedRows:
@@ -44,7 +45,7 @@ class TouchedRows:
         self.mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.host = host_empty(vocab, torch.uint8).view(torch.bool)
         self._pinned = [self.host] if device.type == "cuda" and pin_(self.host) else []
-        self.capacity = 0  # rows the staging holds (none until `reserve`)
+        self.capacity = 0  # rows the staging holds (none until `reserve`: nothing is updated ahead)
         self.staging: list[torch.Tensor] = []  # the fp32 master or its low plane and parities, exp_avg, exp_avg_sq
         self.sent: object = None  # the event after the mask's copy to the host
         # once the untouched rows are updated: ((unit, step), the touched rows, their staged state)
@@ -76,6 +77,7 @@ class TouchedRows:
         self.grads = None if self.held is None else host_empty(n, self.held).view(rows, self.hidden)
         locked = [*self.staging, *([] if self.grads is None else [self.grads])]
         self._pinned += [t for t in locked if self.device.type == "cuda" and pin_(t)]
+        self.mask.zero_()  # the next step's rows only (nothing was sent before)
         return True
 
     def see(self, ids: torch.Tensor) -> None:

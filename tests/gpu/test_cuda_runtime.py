@@ -112,7 +112,7 @@ def test_untouched_rows_updated_ahead_on_cuda_train_bit_for_bit_as_the_whole_tab
         monkeypatch.setattr(touched_rows, "RAM_SHARE", share)
         runs.append(fit(model, batches, SlideStrategy(use_kernels=False), STEPS, clip=clip, precision=precision,
                         accelerator="gpu"))
-    assert len(ahead) == STEPS
+    assert len(ahead) == STEPS - 1  # from the second step on: the staging is reserved after the first
     for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()):
         assert torch.equal(a, b)
 

@@ -65,7 +65,7 @@ def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_th
     assert (gpu.storages[0].halves is not None) == (dtype == torch.bfloat16)
     _train(cpu, cpu_model, dtype, batches, accumulate)
     _train(gpu, gpu_model, dtype, batches, accumulate)
-    assert rows.steps_ahead == len(batches) // accumulate
+    assert rows.steps_ahead == len(batches) // accumulate - 1  # the staging is reserved after the first step
     assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
@@ -87,7 +87,7 @@ def test_the_pass_over_the_untouched_rows_gives_way_to_the_updates_queued_behind
                                           for on in (False, True))
     _train(cpu, cpu_model, torch.bfloat16, batches)
     _train(gpu, gpu_model, torch.bfloat16, batches)
-    assert gpu.adam.on_device.rows.steps_ahead == len(batches) and sum(resumed) > len(batches)
+    assert gpu.adam.on_device.rows.steps_ahead == len(batches) - 1 and sum(resumed) > len(batches) - 1
     assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
@@ -105,7 +105,7 @@ def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_tabl
 
 
 def test_without_host_ram_to_spare_for_the_staging_the_embedding_updates_whole(monkeypatch):
-    """The staging may take 1/8 of the free host RAM: here 1 KiB is free."""
+    """The staging may take 1/4 of the host RAM free after the first step: here 1 KiB is free."""
     monkeypatch.setattr(engine_module, "available_ram", lambda: 1024 + engine_module.host_headroom())
     batches = token_batches(2)
     (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.float32, StepMode(), monkeypatch)
