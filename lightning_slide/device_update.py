@@ -127,6 +127,11 @@ class SlotWrite:
             return self._state == "dropped"
 
 
+def _planes_of(storage: UnitStorage) -> MasterHalves | None:
+    """The unit's master halves where its master is planes now (`master_halves`), else None."""
+    return storage.halves if storage.halves is not None and storage.halves.planes else None
+
+
 def gpu_updates_on(device: torch.device) -> torch.device | None:
     """Where a run computing on `device` can update on the GPU: the GPU itself, or nowhere (None)."""
     return device if device.type == "cuda" else None
@@ -484,7 +489,7 @@ class DeviceUpdater:
         touched = rows.touched()
         if touched is None or slot is None or not slot.take():
             return True
-        halves = storage.halves if storage.halves is not None and storage.halves.planes else None
+        halves = _planes_of(storage)
         staged = rows.gather(touched, rows_of(master, halves, tuple(m.values for m in moments), rows.hidden))
         rows.ahead = ((storage.index, plan.step), touched, staged)
         rows.steps_ahead += 1
@@ -514,7 +519,7 @@ class DeviceUpdater:
         weights of rows `kept` (of `hidden` elements, sorted) stay as they were: a master as planes joins them with
         the staged low plane later."""
         weights = slot.params[start : start + n] if slot is not None and slot.take() else None
-        halves = storage.halves if storage.halves is not None and storage.halves.planes else None
+        halves = _planes_of(storage)
         if halves is not None:
             self._check_planes(halves, start, storage.name, weights is not None)
         free = slot.free if weights is not None else None if halves is None else halves.written_back
@@ -591,7 +596,7 @@ class DeviceUpdater:
         if rows.grads is not None:  # held on the host: the touched rows' gradient goes up with their state
             grads = torch.index_select(grads, 0, touched, out=rows.grads[: touched.numel()])
         index = self._to_lanes(touched)
-        halves = storage.halves if storage.halves is not None and storage.halves.planes else None
+        halves = _planes_of(storage)
         scale = None if plan.grad_scale is None else float(plan.grad_scale)
         groups = groups_of(storage, plan)
         for i, a in enumerate(range(0, touched.numel(), per)):
@@ -624,8 +629,6 @@ class DeviceUpdater:
         weights gathered on the device, the update, the new weights scattered into the slot, the state back."""
         k, hidden = index.numel(), table.shape[1]
         n = k * hidden
-        step = torch.full((), float(plan.step), device=self.device)
-        grad_scale = None if scale is None else torch.full((), scale, device=self.device)
         *master_rows, m_rows, v_rows = staged
         values = [v[:n].copy_(s.view(-1), non_blocking=True) for v, s in zip(room.values, (m_rows, v_rows))]
         if halves is None:
@@ -640,12 +643,7 @@ class DeviceUpdater:
             g.copy_(grads, non_blocking=True)
         else:  # the whole table's gradient on the device
             torch.index_select(grads, 0, index, out=g)
-        hyper, flags, bounds = groups
-        wide = room.wide if grads.dtype != torch.float32 else torch.empty(0, device=self.device)
-        scripted(adam_pieces)(0, 1, max(n, 1), 0, g.view(-1), gm, "fp32", values, [None, None],
-                              [c.shift for c in self.codecs], room.noise,
-                              [0, n], ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f,
-                              room.work_d, wide, bounds, hyper, flags, None, step, grad_scale, None)
+        self._adam(room, plan, groups, 0, g.view(-1), gm, "fp32", values, [None, None], room.noise, scale)
         if halves is None:
             table.index_copy_(0, index, gm.view(k, hidden).to(table.dtype))
             master_rows[0].view(-1).copy_(gm, non_blocking=True)
@@ -678,8 +676,6 @@ class DeviceUpdater:
         """One chunk on the current stream (a lane's: everything it allocates is ordered there): copies up, the
         update, copies back (and the new weights into their slot)."""
         n = grad.numel()
-        step = torch.full((), float(plan.step), device=self.device)
-        grad_scale = None if scale is None else torch.full((), scale, device=self.device)
         gm = self._master_up(room, master, halves, start, weights)
         values = [v[:n].copy_(m.values, non_blocking=True) for v, m in zip(room.values, moments)]
         scales = [None if s is None else s[: m.scales.numel()].copy_(m.scales, non_blocking=True)
@@ -692,18 +688,13 @@ class DeviceUpdater:
         if grad.device != self.device:
             self.bytes_up += n * grad.element_size()
             grad = room.grad[: n * grad.element_size()].view(grad.dtype).copy_(grad, non_blocking=True)
-        hyper, flags, bounds = groups
-        shifts = [c.shift for c in self.codecs]
-        wide = room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device)
         if self.code_kernels:  # the moments decoded and encoded in one pass each; AdamW between, on fp32 moments
             coding, moments_in, scales_in = "fp32", self._decode(room, values, scales, n), [None, None]
             noise = room.noise  # unused: fp32 moments are not rounded
         else:  # the codec's torch ops inside the update
             coding, moments_in, scales_in = self.codecs[0].precision, values, scales
             noise = self.noise_for(room, plan.step, storage.index, start, n)
-        scripted(adam_pieces)(0, 1, max(n, 1), start, grad, gm, coding, moments_in, scales_in, shifts, noise, [0, n],
-                              ANY_POSITION, BLOCK, room.out, room.out_bits, room.work, room.work_f, room.work_d, wide,
-                              bounds, hyper, flags, None, step, grad_scale, None)
+        self._adam(room, plan, groups, start, grad, gm, coding, moments_in, scales_in, noise, scale)
         if self.code_kernels:
             self._encode(moments_in, values, scales, plan.step, storage.index, start)
         self._master_back(room, gm, master, halves, start, weights, plan.step)
@@ -711,6 +702,20 @@ class DeviceUpdater:
             m.values.copy_(v, non_blocking=True)
             if s is not None:
                 m.scales.copy_(s, non_blocking=True)
+
+    def _adam(self, room: _Buffers, plan: StepPlan, groups: tuple[list[list[float]], list[list[bool]], list[int]],
+              start: int, grad: torch.Tensor, master: torch.Tensor, coding: str, moments: list[torch.Tensor],
+              scales: list[torch.Tensor | None], noise: torch.Tensor, scale: float | None) -> None:
+        """`layer_adam.adam_pieces` over a chunk on the device (the first element `start` of the unit's range)."""
+        n = grad.numel()
+        step = torch.full((), float(plan.step), device=self.device)
+        grad_scale = None if scale is None else torch.full((), scale, device=self.device)
+        wide = room.wide if grad.dtype != torch.float32 else torch.empty(0, device=self.device)
+        hyper, flags, bounds = groups
+        scripted(adam_pieces)(0, 1, max(n, 1), start, grad, master, coding, moments, scales,
+                              [c.shift for c in self.codecs], noise, [0, n], ANY_POSITION, BLOCK, room.out,
+                              room.out_bits, room.work, room.work_f, room.work_d, wide, bounds, hyper, flags, None,
+                              step, grad_scale, None)
 
     def _master_up(self, room: _Buffers, master: torch.Tensor, halves: MasterHalves | None, start: int,
                    weights: torch.Tensor | None) -> torch.Tensor:

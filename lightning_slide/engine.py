@@ -233,8 +233,6 @@ class SlideEngine:
                                 self.mode, self.dtype, self.device, self.failure)
         self.activations.before_reuse = self.grads.reclaim
         self._reads_planned = False  # the disk tier reads ahead for the next updates (kept over a skipped step)
-        on_device = self.adam.on_device
-        self._rows = None if on_device is None else on_device.rows  # the embedding's `touched_rows`
         self._rows_sent = False  # this step's untouched rows are queued for their update
         self._step = 0
         self._adapted = False
@@ -246,6 +244,11 @@ class SlideEngine:
         self.wait_drain_s = 0.0
         self.planes_s = 0.0  # the training thread's time turning masters into planes and back (`master_halves`)
         self._masters_rounded = False  # master_bits=24 has rounded the masters the slots were loaded from
+
+    @property
+    def _rows(self) -> TouchedRows | None:
+        """The embedding's `touched_rows`, which the device updater owns (None where none applies)."""
+        return None if self.adam.on_device is None else self.adam.on_device.rows
 
     @property
     def wait_grads_s(self) -> float:
@@ -553,7 +556,7 @@ class SlideEngine:
             self.notes.append(f"the embedding's rows no token touched are updated ahead of its gradient (staging for "
                               f"{rows.capacity} touched rows, {rows.staging_bytes(tokens) / 2**30:.2f} GiB pinned)")
         else:
-            self._rows = self.adam.on_device.rows = None
+            self.adam.on_device.rows = None
             rows.close()
             self.notes.append(f"the embedding updates whole at the step's end: staging its touched rows would take "
                               f"{rows.staging_bytes(tokens) / 2**30:.2f} GiB, more than 1/{touched_rows.RAM_SHARE} "
