@@ -499,8 +499,7 @@ class SlideEngine:
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
-        if self._step_tokens:
-            self._reserve_rows(self._step_tokens)
+        self._reserve_rows()
         self._step_tokens = 0
 
     def allocated(self) -> int:
@@ -544,23 +543,25 @@ class SlideEngine:
         self.notes.append(f"fp32 updates on the GPU for micro-batches of {tokens} tokens: {len(updater.units)} of the "
                           f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates)")
 
-    def _reserve_rows(self, tokens: int) -> None:
+    def _reserve_rows(self) -> None:
         """After the first step, whose buffers then hold their host memory: the staging of the embedding's touched
-        rows (`touched_rows`), for steps of micro-batches of `tokens` (as many rows as they can touch), or none
-        where host RAM is short (the embedding then updates whole)."""
+        rows (`touched_rows`), sized by the rows that step touched, or none where they are too many or host RAM is
+        short (the embedding then updates whole)."""
         rows = self._rows
         if rows is None or rows.capacity:
             return
-        tokens = rows.vocab if self.mode.accumulates else tokens  # a window's micro-batches are not known
-        if rows.reserve(tokens, available_ram() - host_headroom()):
+        touched = rows.first_touched()
+        if not touched:  # no training forward looked the embedding up yet
+            return
+        refused = rows.reserve(touched, available_ram() - host_headroom())
+        if refused is None:
             self.notes.append(f"the embedding's rows no token touched are updated ahead of its gradient (staging for "
-                              f"{rows.capacity} touched rows, {rows.staging_bytes(tokens) / 2**30:.2f} GiB pinned)")
+                              f"{rows.capacity} touched rows, {rows.staging_bytes(rows.capacity) / 2**30:.2f} GiB "
+                              "pinned)")
         else:
             self.adam.on_device.rows = None
             rows.close()
-            self.notes.append(f"the embedding updates whole at the step's end: staging its touched rows would take "
-                              f"{rows.staging_bytes(tokens) / 2**30:.2f} GiB, more than 1/{touched_rows.RAM_SHARE} "
-                              "of the free host RAM")
+            self.notes.append(f"the embedding updates whole at the step's end: {refused}")
 
     def _leave_gpu_updates(self, units: set[int]) -> None:
         """The CPU takes over the updates of `units`: their masters whole again and their planes released."""

@@ -12,13 +12,18 @@ and come back (`DeviceUpdater.run` then takes the touched rows only; a clipped s
 for the norm, has its touched rows gathered there as well). Every element goes through the same elementwise fused
 AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
 
-The staging is reserved after the first training step, whose own buffers then hold their host memory: for as many
-rows as its micro-batches' tokens (as a window of several can touch, with accumulation; at most half the table),
-where that takes at most `RAM_SHARE` of the host RAM free then. The first step, and a step whose tokens touch more
-rows than the staging holds, update the whole table at the boundary.
+The staging is reserved after the first training step, whose own buffers then hold their host memory: for
+`MARGIN` times the rows that step touched (all its micro-batches', with accumulation), where that is at most half
+the table (beyond, the boundary's share of the update is most of it) and takes at most `RAM_SHARE` of the host RAM
+free then. Sized by what the data touches, not by the tokens: text's skew touches far fewer rows than it has
+tokens (at 65,536 tokens of Llama-3's 128,256 ids, ids drawn with a Zipf law of exponent 1 touch about 15% of the
+rows, uniform ids about 40%). The first step, and a step whose tokens touch more rows than the staging holds,
+update the whole table at the boundary.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,8 +31,9 @@ from lightning_slide.master_halves import LOW_DTYPES, MasterHalves
 from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane, host_wait
 
-CAPACITY_SHARE = 2  # staging for at most 1/2 of the table's rows (51% of Llama-3's at 64 x 1024 random tokens)
-RAM_SHARE = 4  # ... taking at most 1/4 of the host RAM free after the first step (its own buffers allocated)
+MARGIN = 1.25  # staging for 5/4 of the rows the first step touched: later steps touch a few more or fewer
+CAPACITY_SHARE = 2  # ... where that is at most 1/2 of the table's rows
+RAM_SHARE = 4  # ... and takes at most 1/4 of the host RAM free after the first step (its own buffers allocated)
 
 
 class TouchedRows:
@@ -56,20 +62,28 @@ class TouchedRows:
         # (event, rows, their places, their staged state) until the touched rows are put back in place
         self.back: tuple[object, torch.Tensor, list[_Rows | _ChunkRows], list[torch.Tensor]] | None = None
 
-    def staging_bytes(self, tokens: int) -> int:
-        """Pinned bytes of the staging for micro-batches of `tokens` (`reserve`)."""
+    def first_touched(self) -> int:
+        """How many rows the first step touched: its forwards marked them, and nothing has sent the mask since (one
+        device sync, once)."""
+        return int(self.mask.sum())
+
+    def staging_bytes(self, rows: int) -> int:
+        """Pinned bytes of the staging for `rows` touched rows (`reserve`)."""
         held = 0 if self.held is None else self.held.itemsize
-        return int(self._rows_for(tokens) * self.hidden * (_row_bytes(self.plane_bits) + held))
+        return int(rows * self.hidden * (_row_bytes(self.plane_bits) + held))
 
-    def _rows_for(self, tokens: int) -> int:
-        return min(self.vocab // CAPACITY_SHARE, tokens)
-
-    def reserve(self, tokens: int, free: int) -> bool:
-        """Staging for the rows that micro-batches of `tokens` can touch, where it takes at most `RAM_SHARE` of the
-        `free` host bytes. Returns whether it was reserved."""
-        if self.staging_bytes(tokens) * RAM_SHARE > free:
-            return False
-        self.capacity = rows = self._rows_for(tokens)
+    def reserve(self, touched: int, free: int) -> str | None:
+        """Staging for `MARGIN` times the `touched` rows of the first step, where that is at most 1/`CAPACITY_SHARE`
+        of the table and takes at most 1/`RAM_SHARE` of the `free` host bytes. Returns None once reserved, else
+        why not."""
+        rows = math.ceil(touched * MARGIN)
+        if rows > self.vocab // CAPACITY_SHARE:
+            return (f"its first step touched {touched} of its {self.vocab} rows: staging {MARGIN:g} times as many "
+                    f"would hold more than 1/{CAPACITY_SHARE} of them")
+        if self.staging_bytes(rows) * RAM_SHARE > free:
+            return (f"staging {rows} touched rows would take {self.staging_bytes(rows) / 2**30:.2f} GiB, more than "
+                    f"1/{RAM_SHARE} of the free host RAM")
+        self.capacity = rows
         n = rows * self.hidden
         master = [host_empty(n)] if self.plane_bits is None else [
             host_empty(n, LOW_DTYPES[self.plane_bits]), host_empty(n // 8, torch.uint8)]
@@ -78,7 +92,7 @@ class TouchedRows:
         locked = [*self.staging, *([] if self.grads is None else [self.grads])]
         self._pinned += [t for t in locked if self.device.type == "cuda" and pin_(t)]
         self.mask.zero_()  # the next step's rows only (nothing was sent before)
-        return True
+        return None
 
     def see(self, ids: torch.Tensor) -> None:
         """A training forward looks up `ids` (on the current stream)."""

@@ -2,6 +2,8 @@
 updater (`touched_rows`): the whole table with a zero gradient beside the backward, the touched rows from their
 staged state at the boundary. On the CPU (standing in for the GPU) training stays bit for bit as the CPU pool's."""
 
+import math
+
 import pytest
 import torch
 
@@ -55,7 +57,8 @@ def test_untouched_rows_updated_ahead_train_bit_for_bit_as_the_whole_table_on_th
     """Uniform random tokens touch some of the 97 rows in each step; with bf16 compute the master trains as planes
     (the touched rows' low plane gathered across chunks, the last one shorter). Clipped steps hold the gradient on
     the host (bf16, or fp32 sums over the window's micro-batches), whose touched rows go up with their state."""
-    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 1)  # room for all 97 rows: every step goes ahead
+    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 1)  # up to all 97 rows
+    monkeypatch.setattr(touched_rows, "MARGIN", 2.0)  # room for the most any later step touches: every one goes ahead
     step_mode, accumulate = MODES[mode]
     batches = token_batches(4 * accumulate)
     (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, dtype, step_mode, monkeypatch, slots=slots)
@@ -93,7 +96,7 @@ def test_the_pass_over_the_untouched_rows_gives_way_to_the_updates_queued_behind
 
 
 def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_table_at_the_boundary(monkeypatch):
-    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 10)  # 9 rows: every step touches more
+    monkeypatch.setattr(touched_rows, "MARGIN", 0.25)  # a quarter of the first step's rows: every step touches more
     batches = token_batches(2)
     (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.float32, StepMode(), monkeypatch)
                                           for on in (False, True))
@@ -104,17 +107,34 @@ def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_tabl
     cpu.close(), gpu.close()
 
 
-def test_without_host_ram_to_spare_for_the_staging_the_embedding_updates_whole(monkeypatch):
-    """The staging may take 1/4 of the host RAM free after the first step: here 1 KiB is free."""
-    monkeypatch.setattr(engine_module, "available_ram", lambda: 1024 + engine_module.host_headroom())
+@pytest.mark.parametrize(("free", "share", "why"), [(1024, 2, "of the free host RAM"), (1 << 40, 8, "more than 1/8")],
+                         ids=["ram-short", "too-many-rows"])
+def test_where_staging_would_not_pay_or_host_ram_is_short_the_embedding_updates_whole(free, share, why, monkeypatch):
+    """The staging may take 1/4 of the host RAM free after the first step (here 1 KiB is free), and hold 1/2 of the
+    table's rows (here 1/8: fewer than the first step touched)."""
+    monkeypatch.setattr(engine_module, "available_ram", lambda: free + engine_module.host_headroom())
+    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", share)
     batches = token_batches(2)
     (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.float32, StepMode(), monkeypatch)
                                           for on in (False, True))
     _train(cpu, cpu_model, torch.float32, batches)
     _train(gpu, gpu_model, torch.float32, batches)
-    assert gpu.adam.on_device.rows is None and any("updates whole" in note for note in gpu.notes)
+    assert gpu.adam.on_device.rows is None
+    assert any("updates whole" in note and why in note for note in gpu.notes), gpu.notes
     assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
+
+
+def test_the_staging_holds_a_margin_over_the_rows_the_first_step_touched(monkeypatch):
+    """Sized by the rows the data touched, not by its tokens: 2 x 16 tokens over 97 ids touch fewer than 32."""
+    engine, model = _engine(True, torch.float32, StepMode(), monkeypatch)
+    rows = engine.adam.on_device.rows
+    first = token_batches(1)[0]
+    _train(engine, model, torch.float32, [first])
+    touched = first.unique().numel()
+    assert touched < first.numel() and rows.capacity == math.ceil(touched * touched_rows.MARGIN)
+    assert any(f"staging for {rows.capacity} touched rows" in note for note in engine.notes)
+    engine.close()
 
 
 @pytest.mark.parametrize(("arch", "mode"), [("qwen2-tied", StepMode()), ("llama", StepMode(accumulates=True)),
@@ -141,7 +161,7 @@ def test_the_touched_rows_of_a_master_as_planes_are_gathered_across_its_chunks_a
     halves.parity.copy_(torch.randint(0, 256, halves.parity.shape, dtype=torch.uint8))
     moments = (torch.randn(vocab * hidden), torch.rand(vocab * hidden))
     rows = TouchedRows(0, vocab, hidden, torch.device("cpu"), 32)
-    assert rows.reserve(vocab // 2, 1 << 30) and rows.capacity == 9
+    assert rows.reserve(6, 1 << 30) is None and rows.capacity == 8
     touched = torch.tensor([0, 3, 5, 15, 16, 17])
     views = rows_of(master, halves, moments, hidden)
     staged = rows.gather(touched, views)
