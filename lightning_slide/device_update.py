@@ -132,6 +132,11 @@ def _planes_of(storage: UnitStorage) -> MasterHalves | None:
     return storage.halves if storage.halves is not None and storage.halves.planes else None
 
 
+def _scale_of(plan: StepPlan) -> float | None:
+    """The step's gradient scale (clipping) as a number, read once per update rather than per chunk."""
+    return None if plan.grad_scale is None else float(plan.grad_scale)
+
+
 def gpu_updates_on(device: torch.device) -> torch.device | None:
     """Where a run computing on `device` can update on the GPU: the GPU itself, or nowhere (None)."""
     return device if device.type == "cuda" else None
@@ -523,8 +528,7 @@ class DeviceUpdater:
         if halves is not None:
             self._check_planes(halves, start, storage.name, weights is not None)
         free = slot.free if weights is not None else None if halves is None else halves.written_back
-        scale = None if plan.grad_scale is None else float(plan.grad_scale)
-        work = _Pass(storage, plan, start, n, grad, ready, free, master, moments, weights, halves, scale,
+        work = _Pass(storage, plan, start, n, grad, ready, free, master, moments, weights, halves, _scale_of(plan),
                      groups_of(storage, plan), hidden)
         if kept is not None:
             work.bounds = torch.searchsorted(kept, torch.arange(0, n + self.chunk, self.chunk) // hidden)
@@ -596,16 +600,14 @@ class DeviceUpdater:
         if rows.grads is not None:  # held on the host: the touched rows' gradient goes up with their state
             grads = torch.index_select(grads, 0, touched, out=rows.grads[: touched.numel()])
         index = self._to_lanes(touched)
-        halves = _planes_of(storage)
-        scale = None if plan.grad_scale is None else float(plan.grad_scale)
-        groups = groups_of(storage, plan)
+        halves, scale, groups = _planes_of(storage), _scale_of(plan), groups_of(storage, plan)
+        staged_grads = rows.grads is not None
         for i, a in enumerate(range(0, touched.numel(), per)):
             b = min(a + per, touched.numel())
             lane, room = self.lanes[i % len(self.lanes)], self.sets[i % len(self.sets)]
             with lane():
                 lane.wait(ready)
                 lane.wait(slot.free)
-                staged_grads = rows.grads is not None
                 self._rows_chunk(room, plan, groups, index[a:b], grads[a:b] if staged_grads else grads, table,
                                  [s[a:b] for s in staged], scale, halves, staged_grads)
         done = self._joined()
