@@ -1,6 +1,7 @@
 """Copy rates over PCIe by how the host buffer was page-locked: the caching host allocator (`pin_memory=True`,
 cudaHostAlloc), locked in place (`lightning_slide.pinned`: cudaHostRegister over malloc'd pages), and locked in
-place over transparent huge pages (madvise(MADV_HUGEPAGE) before the pages are touched).
+place over transparent huge pages (madvise(MADV_HUGEPAGE) before the pages are touched); and how fast each
+locks (`lock_gbs`: for `pin_memory=True` the allocation itself, for the others cudaHostRegister of touched pages).
 
 Why: the runtime locks its host state, gradient landing buffers and staging in place, while the probe and most
 peers copy through `pin_memory=True`. Where the device reaches host memory through an IOMMU (a virtual machine),
@@ -87,13 +88,17 @@ def measure(nbytes: int) -> list[dict]:
     for way in ("pin_memory", "registered", "registered-huge"):
         before = _anon_huge_kib()
         if way == "pin_memory":
+            start = time.perf_counter()
             hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         else:
             hosts = [_aligned(nbytes, huge=way == "registered-huge") for _ in range(2)]
+            start = time.perf_counter()
             if not all(pin_(h) for h in hosts):
                 raise RuntimeError("cudaHostRegister refused a buffer: raise the locked-memory limit (ulimit -l)")
+        lock_gbs = 2 * nbytes / (time.perf_counter() - start) / 1e9
         huge = (_anon_huge_kib() - before) * 1024 / (2 * nbytes)
-        records.append({"way": way, "bytes": nbytes, "huge_page_share": round(huge, 3), **rates(hosts, devs)})
+        records.append({"way": way, "bytes": nbytes, "huge_page_share": round(huge, 3), "lock_gbs": lock_gbs,
+                        **rates(hosts, devs)})
         if way != "pin_memory":
             for h in hosts:
                 unpin_(h)
