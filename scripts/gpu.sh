@@ -11,6 +11,8 @@
 #   bash scripts/gpu.sh capacity  the 14B capacity run and 8B with the disk tier (benchmarks/capacity.py)
 #                                                                                   -> results/capacity/
 #   bash scripts/gpu.sh capacity-master  8B with half the units' master and moments on disk
+#   bash scripts/gpu.sh copies  copy rates by how a host buffer is page-locked: pin_memory, locked in place, and
+#                                       locked in place over huge pages (benchmarks/pinned_copies.py) -> results/pinned-copies/
 #   bash scripts/gpu.sh long    the tiled MLP's and grouped attention's GPU tests, one block tiled and untiled,
 #                                       attention grouped and in one call (benchmarks/tiled_block.py: the cost of
 #                                       8,192-token tiles at 32,768 tokens, memory at 131,072 / 262,144), the
@@ -118,6 +120,9 @@ case "${1:-check}" in
   packing)
     timeout 300 python3 -m benchmarks.packing --model "${MODEL:-llama3_1b}" --out "$OUT" --commit "$COMMIT" 2>&1 \
       | tail -60 > "$OUT/packing.log"; tail -20 "$OUT/packing.log"
+    ;;
+  copies)
+    timeout 120 python3 -m benchmarks.pinned_copies --out "$OUT" 2>&1 | tee "$OUT/pinned_copies.log"
     ;;
   long)
     timeout 150 python3 -m pytest -q tests/ops/test_tiled_mlp.py tests/ops/test_grouped_attention.py \

@@ -538,3 +538,19 @@ def test_a_runner_ended_by_sigterm_kills_the_worker_it_was_watching():
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(worker, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_pinned_copies_says_it_needs_a_cuda_device(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pinned_copies", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "measures copies to and from a CUDA device" in done.stderr
+    assert not (tmp_path / "pinned_copies.jsonl").exists()
+
+
+def test_pinned_copies_host_buffers_start_on_a_huge_page_boundary() -> None:
+    from benchmarks.pinned_copies import HUGE, _aligned
+
+    for huge in (False, True):
+        buffer = _aligned(3 * HUGE, huge=huge)
+        assert buffer.data_ptr() % HUGE == 0 and buffer.numel() == 3 * HUGE and bool((buffer == 1).all())
