@@ -186,7 +186,8 @@ class SlideEngine:
         for u in units if bits is not None else ():
             self.storages[u].add_halves(updater.chunk, bits)
         if table is not None and touched_rows.applies(updater.chunk, table[1], bits):
-            updater.rows = TouchedRows(0, *table, on, bits, self.mode.held_dtype(self.dtype))
+            updater.rows = TouchedRows(0, *table, on, bits, lambda: available_ram() - host_headroom(),
+                                       self.mode.held_dtype(self.dtype))
         return updater
 
     def _untied_table(self, units: list[int]) -> tuple[int, int] | None:
@@ -393,7 +394,7 @@ class SlideEngine:
         not to come, `end_step` stops the run): the rows its tokens did not touch are updated now, beside the
         backward (`touched_rows`)."""
         rows, book = self._rows, self.grads.book
-        if (rows is None or not rows.capacity or self._rows_sent or book.plan is None or not book.pending[rows.unit]
+        if (rows is None or not rows.reserved or self._rows_sent or book.plan is None or not book.pending[rows.unit]
                 or not self.adam.updates_on_device(rows.unit)):
             return
         self._rows_sent = True
@@ -545,15 +546,15 @@ class SlideEngine:
 
     def _reserve_rows(self) -> None:
         """After the first step, whose buffers then hold their host memory: the staging of the embedding's touched
-        rows (`touched_rows`), sized by the rows that step touched, or none where they are too many or host RAM is
-        short (the embedding then updates whole)."""
+        rows (`touched_rows`), sized by the rows that step touched (the updater grows it where a later step touches
+        more), or none where they are too many or host RAM is short (the embedding then updates whole)."""
         rows = self._rows
-        if rows is None or rows.capacity:
+        if rows is None or rows.reserved:
             return
         touched = rows.first_touched()
         if not touched:  # no training forward looked the embedding up yet
             return
-        refused = rows.reserve(touched, available_ram() - host_headroom())
+        refused = rows.reserve(touched)
         if refused is None:
             self.notes.append(f"the embedding's rows no token touched are updated ahead of its gradient (staging for "
                               f"{rows.capacity} touched rows, {rows.staging_bytes(rows.capacity) / 2**30:.2f} GiB "
@@ -714,6 +715,7 @@ class SlideEngine:
             "kept_graphs": self.graphs.kept,
             "gpu_updated_units": len(updater.units) if updater else 0,  # units whose AdamW runs on the GPU
             "steps_rows_ahead": self._rows.steps_ahead if self._rows else 0,  # `touched_rows`
+            "rows_staged": self._rows.capacity if self._rows else 0,  # ... the rows its staging holds now
             "block_slots": len(self.window.ring),  # blocks with a GPU slot (grown by the first step's adaptation)
             "disk_read_bytes": self.moments.disk_bytes[0] + self.activations.disk_bytes[0],
             "disk_write_bytes": self.moments.disk_bytes[1] + self.activations.disk_bytes[1],

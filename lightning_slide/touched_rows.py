@@ -17,13 +17,15 @@ The staging is reserved after the first training step, whose own buffers then ho
 the table (beyond, the boundary's share of the update is most of it) and takes at most `RAM_SHARE` of the host RAM
 free then. Sized by what the data touches, not by the tokens: text's skew touches far fewer rows than it has
 tokens (at 65,536 tokens of Llama-3's 128,256 ids, ids drawn with a Zipf law of exponent 1 touch about 15% of the
-rows, uniform ids about 40%). The first step, and a step whose tokens touch more rows than the staging holds,
-update the whole table at the boundary.
+rows, uniform ids about 40%). A later step that touches more rows than it holds grows it on the same terms, on the
+updater's thread, which alone uses it (the step's pass has not begun, the last one's put-back is done). The first
+step, and a step whose rows the staging cannot hold even grown, update the whole table at the boundary.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -42,16 +44,19 @@ class TouchedRows:
     staging for the touched rows' state (`reserve`, `gather`, `scatter`)."""
 
     def __init__(self, unit: int, vocab: int, hidden: int, device: torch.device, plane_bits: int | None,
-                 held: torch.dtype | None = None) -> None:
-        """`held`: the dtype a step's gradient waits in on the host (clipped steps), whose touched rows the staging
-        gathers too; None where the gradient stays on the device (eager steps)."""
+                 free_ram: Callable[[], int], held: torch.dtype | None = None) -> None:
+        """`free_ram()`: the host bytes free for the staging now. `held`: the dtype a step's gradient waits in on
+        the host (clipped steps), whose touched rows the staging gathers too; None where the gradient stays on the
+        device (eager steps)."""
         self.unit, self.vocab, self.hidden, self.device, self.plane_bits = unit, vocab, hidden, device, plane_bits
-        self.held = held
+        self.free_ram, self.held = free_ram, held
         self.grads: torch.Tensor | None = None  # staging for the touched rows of a gradient held on the host
         self.mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.host = host_empty(vocab, torch.uint8).view(torch.bool)
-        self._pinned = [self.host] if device.type == "cuda" and pin_(self.host) else []
+        self._mask_pinned = device.type == "cuda" and pin_(self.host)
+        self._pinned: list[torch.Tensor] = []  # the staging's locked tensors
         self.capacity = 0  # rows the staging holds (none until `reserve`: nothing is updated ahead)
+        self.reserved = False  # once `reserve` succeeded (the staging may grow, never goes: the training thread asks)
         self.staging: list[torch.Tensor] = []  # the fp32 master or its low plane and parities, exp_avg, exp_avg_sq
         self.sent: object = None  # the event after the mask's copy to the host
         # once the untouched rows are updated: ((unit, step), the touched rows, their staged state)
@@ -64,25 +69,28 @@ class TouchedRows:
 
     def first_touched(self) -> int:
         """How many rows the first step touched: its forwards marked them, and nothing has sent the mask since (one
-        device sync, once)."""
-        return int(self.mask.sum())
+        device sync, once). The mask then starts again empty, for the next step's rows."""
+        touched = int(self.mask.sum())
+        self.mask.zero_()
+        return touched
 
     def staging_bytes(self, rows: int) -> int:
         """Pinned bytes of the staging for `rows` touched rows (`reserve`)."""
         held = 0 if self.held is None else self.held.itemsize
         return int(rows * self.hidden * (_row_bytes(self.plane_bits) + held))
 
-    def reserve(self, touched: int, free: int) -> str | None:
-        """Staging for `MARGIN` times the `touched` rows of the first step, where that is at most 1/`CAPACITY_SHARE`
-        of the table and takes at most 1/`RAM_SHARE` of the `free` host bytes. Returns None once reserved, else
-        why not."""
+    def reserve(self, touched: int) -> str | None:
+        """Staging for `MARGIN` times `touched` rows, where that is at most 1/`CAPACITY_SHARE` of the table and takes
+        at most 1/`RAM_SHARE` of the free host bytes (a smaller staging it replaces counting as free). Returns None
+        once reserved, else why not (a staging reserved before then stays)."""
         rows = math.ceil(touched * MARGIN)
         if rows > self.vocab // CAPACITY_SHARE:
-            return (f"its first step touched {touched} of its {self.vocab} rows: staging {MARGIN:g} times as many "
-                    f"would hold more than 1/{CAPACITY_SHARE} of them")
-        if self.staging_bytes(rows) * RAM_SHARE > free:
+            return (f"a step touched {touched} of its {self.vocab} rows: staging {MARGIN:g} times as many would hold "
+                    f"more than 1/{CAPACITY_SHARE} of them")
+        if self.staging_bytes(rows) * RAM_SHARE > self.free_ram() + self.staging_bytes(self.capacity):
             return (f"staging {rows} touched rows would take {self.staging_bytes(rows) / 2**30:.2f} GiB, more than "
                     f"1/{RAM_SHARE} of the free host RAM")
+        self._release_staging()
         self.capacity = rows
         n = rows * self.hidden
         master = [host_empty(n)] if self.plane_bits is None else [
@@ -90,8 +98,8 @@ class TouchedRows:
         self.staging = [*master, host_empty(n), host_empty(n)]
         self.grads = None if self.held is None else host_empty(n, self.held).view(rows, self.hidden)
         locked = [*self.staging, *([] if self.grads is None else [self.grads])]
-        self._pinned += [t for t in locked if self.device.type == "cuda" and pin_(t)]
-        self.mask.zero_()  # the next step's rows only (nothing was sent before)
+        self._pinned = [t for t in locked if self.device.type == "cuda" and pin_(t)]
+        self.reserved = True
         return None
 
     def see(self, ids: torch.Tensor) -> None:
@@ -107,9 +115,12 @@ class TouchedRows:
             self.mask.zero_()
 
     def touched(self) -> torch.Tensor | None:
-        """The sent mask's rows (sorted), or None where the staging cannot hold them (on a background thread)."""
+        """The sent mask's rows (sorted), or None where the staging cannot hold them, even grown (on the updater's
+        thread, before the step's pass gathers anything)."""
         host_wait(self.sent)
         rows = self.host.nonzero().flatten()
+        if rows.numel() > self.capacity:
+            self.reserve(rows.numel())
         return rows if 0 < rows.numel() <= self.capacity else None
 
     def gather(self, rows: torch.Tensor, sources: list[_Rows | _ChunkRows]) -> list[torch.Tensor]:
@@ -127,10 +138,16 @@ class TouchedRows:
     def _width(self, staging: torch.Tensor) -> int:
         return staging.numel() // self.capacity
 
-    def close(self) -> None:
+    def _release_staging(self) -> None:
         for t in self._pinned:
             unpin_(t)
-        self._pinned.clear()
+        self._pinned, self.staging, self.grads, self.capacity = [], [], None, 0
+
+    def close(self) -> None:
+        self._release_staging()
+        if self._mask_pinned:
+            unpin_(self.host)
+            self._mask_pinned = False
 
 
 def _row_bytes(plane_bits: int | None) -> float:

@@ -95,14 +95,47 @@ def test_the_pass_over_the_untouched_rows_gives_way_to_the_updates_queued_behind
     cpu.close(), gpu.close()
 
 
-def test_a_step_touching_more_rows_than_the_staging_holds_updates_the_whole_table_at_the_boundary(monkeypatch):
-    monkeypatch.setattr(touched_rows, "MARGIN", 0.25)  # a quarter of the first step's rows: every step touches more
-    batches = token_batches(2)
+def _short_first(count: int) -> list[torch.Tensor]:
+    """A first step of 4 tokens (at most 4 rows), then `count` steps of 32 (about 27 of the 97 rows each)."""
+    batches = token_batches(count + 1)
+    return [batches[0][:, :2], *batches[1:]]
+
+
+@pytest.mark.parametrize("mode", ["eager", "clipped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-masters", "bf16-planes"])
+def test_a_later_step_touching_more_rows_grows_the_staging_and_goes_ahead(dtype, mode, monkeypatch):
+    """A short first step (a short first batch of examples) stages 5 rows; the next one touches more, the staging
+    grows to hold them (a clipped step's held gradient rows too) and every later step goes ahead."""
+    batches = _short_first(3)
+    step_mode = MODES[mode][0]
+    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, dtype, step_mode, monkeypatch) for on in (False, True))
+    rows = gpu.adam.on_device.rows
+    _train(gpu, gpu_model, dtype, batches[:1])
+    first = rows.capacity
+    _train(cpu, cpu_model, dtype, batches)
+    _train(gpu, gpu_model, dtype, batches[1:])
+    most = max(b.unique().numel() for b in batches[1:])
+    assert first <= 5 < most <= rows.capacity and rows.steps_ahead == len(batches) - 1
+    assert_same_state(cpu, gpu)
+    cpu.close(), gpu.close()
+
+
+@pytest.mark.parametrize("short", ["ram", "rows"])
+def test_a_step_whose_rows_the_staging_cannot_hold_even_grown_updates_the_whole_table(short, monkeypatch):
+    """Grown, the staging would take more than 1/4 of the host RAM free then (none is), or hold more than 1/4 of
+    the table's rows (the first step's 5 rows staged fit under that)."""
+    monkeypatch.setattr(touched_rows, "CAPACITY_SHARE", 2 if short == "ram" else 4)
+    batches = _short_first(2)
     (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.float32, StepMode(), monkeypatch)
                                           for on in (False, True))
+    rows = gpu.adam.on_device.rows
+    _train(gpu, gpu_model, torch.float32, batches[:1])
+    first = rows.capacity
+    if short == "ram":
+        monkeypatch.setattr(engine_module, "available_ram", engine_module.host_headroom)
     _train(cpu, cpu_model, torch.float32, batches)
-    _train(gpu, gpu_model, torch.float32, batches)
-    assert gpu.adam.on_device.rows.steps_ahead == 0
+    _train(gpu, gpu_model, torch.float32, batches[1:])
+    assert 0 < first == rows.capacity and rows.steps_ahead == 0
     assert_same_state(cpu, gpu)
     cpu.close(), gpu.close()
 
@@ -160,8 +193,8 @@ def test_the_touched_rows_of_a_master_as_planes_are_gathered_across_its_chunks_a
         plane.copy_(low[at : at + plane.numel()])
     halves.parity.copy_(torch.randint(0, 256, halves.parity.shape, dtype=torch.uint8))
     moments = (torch.randn(vocab * hidden), torch.rand(vocab * hidden))
-    rows = TouchedRows(0, vocab, hidden, torch.device("cpu"), 32)
-    assert rows.reserve(6, 1 << 30) is None and rows.capacity == 8
+    rows = TouchedRows(0, vocab, hidden, torch.device("cpu"), 32, lambda: 1 << 30)
+    assert rows.reserve(6) is None and rows.capacity == 8
     touched = torch.tensor([0, 3, 5, 15, 16, 17])
     views = rows_of(master, halves, moments, hidden)
     staged = rows.gather(touched, views)
