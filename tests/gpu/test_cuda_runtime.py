@@ -117,6 +117,35 @@ def test_untouched_rows_updated_ahead_on_cuda_train_bit_for_bit_as_the_whole_tab
         assert torch.equal(a, b)
 
 
+def test_a_staging_grown_on_cuda_for_a_later_step_trains_bit_for_bit_as_the_whole_table(monkeypatch):
+    """A first batch of 4 tokens stages 5 rows; the later ones touch more, and the updater's thread grows the
+    pinned staging before their passes: every step after the first goes ahead, as the run with the staging refused
+    updates whole."""
+    import lightning_slide.device_update as device_update
+    import lightning_slide.touched_rows as touched_rows
+    from lightning_slide import SlideStrategy
+    from lightning_slide.touched_rows import TouchedRows
+
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    went, touched = [], TouchedRows.touched
+
+    def counted(self: TouchedRows) -> torch.Tensor | None:
+        rows = touched(self)
+        went.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(TouchedRows, "touched", counted)
+    model, batches, runs = tiny_model("llama"), token_batches(STEPS), []
+    batches[0] = batches[0][:, :2]
+    for share in (touched_rows.RAM_SHARE, 1 << 62):
+        monkeypatch.setattr(touched_rows, "RAM_SHARE", share)
+        runs.append(fit(model, batches, SlideStrategy(use_kernels=False), STEPS, precision="bf16-mixed",
+                        accelerator="gpu"))
+    assert went == [True] * (STEPS - 1)  # the refused run has no staging to ask
+    for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("precision, blocks", [("int8", 0), ("fp32", 2)], ids=["int8", "fp32-2-blocks"])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
 def test_masters_as_planes_on_cuda_train_as_whole_masters(precision, blocks, clip, monkeypatch):
