@@ -58,9 +58,14 @@ def pcie_bandwidth(device: torch.device) -> dict:
     """GB/s of 1 GiB pinned copies: host->device, device->host, and both directions at once."""
     hosts = [torch.empty(_PCIE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     devs = [torch.empty(_PCIE_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
-    h2d = _copy_rate(lambda: devs[0].copy_(hosts[0], non_blocking=True))
-    d2h = _copy_rate(lambda: hosts[0].copy_(devs[0], non_blocking=True))
-    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    return {**copy_rates(hosts, devs), "bytes_per_copy": _PCIE_BYTES}
+
+
+def copy_rates(hosts: list[torch.Tensor], devs: list[torch.Tensor], reps: int = _PCIE_REPS) -> dict[str, float]:
+    """GB/s between two host and two device byte buffers of one size: host->device, device->host, and both at once
+    (two streams), each timed over `reps` copies between two device syncs after a warm-up."""
+    nbytes = hosts[0].numel()
+    streams = [torch.cuda.Stream(devs[0].device), torch.cuda.Stream(devs[0].device)]
 
     def both() -> None:
         with torch.cuda.stream(streams[0]):
@@ -68,19 +73,17 @@ def pcie_bandwidth(device: torch.device) -> dict:
         with torch.cuda.stream(streams[1]):
             hosts[1].copy_(devs[1], non_blocking=True)
 
-    bidir = 2 * _copy_rate(both)
-    return {"h2d_gbs": h2d, "d2h_gbs": d2h, "bidir_gbs": bidir, "bytes_per_copy": _PCIE_BYTES}
-
-
-def _copy_rate(copy: Callable[[], object]) -> float:
-    """GB/s of one copy function (per direction), timed between two device syncs after a warm-up."""
-    copy()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(_PCIE_REPS):
+    def rate(copy: Callable[[], object]) -> float:
         copy()
-    torch.cuda.synchronize()
-    return _PCIE_REPS * _PCIE_BYTES / (time.perf_counter() - start) / 1e9
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            copy()
+        torch.cuda.synchronize()
+        return reps * nbytes / (time.perf_counter() - start) / 1e9
+
+    return {"h2d_gbs": rate(lambda: devs[0].copy_(hosts[0], non_blocking=True)),
+            "d2h_gbs": rate(lambda: hosts[0].copy_(devs[0], non_blocking=True)), "bidir_gbs": 2 * rate(both)}
 
 
 def _with_kernels(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -16,11 +16,11 @@ import argparse
 import ctypes
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from benchmarks.loops import copy_rates
 from lightning_slide.pinned import PAGE, pin_, unpin_
 
 GIB = 2**30
@@ -41,33 +41,6 @@ def _aligned(nbytes: int, huge: bool) -> torch.Tensor:
             raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) refused")
     buf.fill_(1)
     return buf
-
-
-def _rate(copy: Callable[[], object], nbytes: int) -> float:
-    """GB/s of `copy` (per direction), between two device syncs after a warm-up."""
-    copy()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(REPS):
-        copy()
-    torch.cuda.synchronize()
-    return REPS * nbytes / (time.perf_counter() - start) / 1e9
-
-
-def rates(hosts: list[torch.Tensor], devs: list[torch.Tensor]) -> dict[str, float]:
-    """Host to device, device to host, and both at once (two streams) between two host and two device buffers."""
-    nbytes = hosts[0].numel()
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-
-    def both() -> None:
-        with torch.cuda.stream(streams[0]):
-            devs[0].copy_(hosts[0], non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            hosts[1].copy_(devs[1], non_blocking=True)
-
-    return {"h2d_gbs": _rate(lambda: devs[0].copy_(hosts[0], non_blocking=True), nbytes),
-            "d2h_gbs": _rate(lambda: hosts[0].copy_(devs[0], non_blocking=True), nbytes),
-            "bidir_gbs": 2 * _rate(both, nbytes)}
 
 
 def _anon_huge_kib() -> int:
@@ -98,7 +71,7 @@ def measure(nbytes: int) -> list[dict]:
         lock_gbs = 2 * nbytes / (time.perf_counter() - start) / 1e9
         huge = (_anon_huge_kib() - before) * 1024 / (2 * nbytes)
         records.append({"way": way, "bytes": nbytes, "huge_page_share": round(huge, 3), "lock_gbs": lock_gbs,
-                        **rates(hosts, devs)})
+                        **copy_rates(hosts, devs, REPS)})
         if way != "pin_memory":
             for h in hosts:
                 unpin_(h)
