@@ -422,7 +422,6 @@ class DeviceUpdater:
         self.device, self.codecs, self.piece = device, codecs, piece
         self.chunk = chunk_elems(largest_trainable, piece, plane_bits, row)
         self.rows: TouchedRows | None = None  # the embedding's, where its untouched rows are updated ahead
-        self._back_lock = threading.Lock()  # `put_back`: the CPU's optimizer thread, or this one where it is first
         compact = codecs[0].precision != "fp32"
         self.code_kernels = compact and (code_kernels_on(device) if code_kernels is None else code_kernels)
         self.kernels = import_module("lightning_slide.ops.moment_codes") if self.code_kernels else None
@@ -476,10 +475,8 @@ class DeviceUpdater:
         that range's host copies (the master's planes instead, where the unit holds them), `grad` is on the device
         (after `ready`) or on the host; the new weights also go into `slot` unless the window took it back.
         Returns the event after which the host copies (and the slot) hold the result and `grad` may be reused; an
-        embedding's touched rows (`run_untouched`) reach the host copies only with `put_back`."""
+        embedding's touched rows (`run_untouched`) reach the host copies only with `put_back`, on this thread."""
         rows = self.rows
-        if rows is not None and storage.index == rows.unit:
-            self.put_back()  # the last step's touched rows, where the CPU's thread has not yet put them back
         if rows is not None and rows.ahead is not None and rows.ahead[0] == (storage.index, plan.step):
             return self._run_touched(storage, plan, grad, ready, master, moments, slot, rows)
         return self._run(storage, plan, start, grad.numel(), grad, ready, master, moments, slot)
@@ -493,7 +490,6 @@ class DeviceUpdater:
 
         The backward's own updates go first: the pass queues `PACE` chunks at most and stops where other items
         are `waiting` for this thread. Returns whether it is complete; else `resume_untouched` goes on with it."""
-        self.put_back()  # before the staging is read, or grown
         rows = self.rows
         touched = rows.touched()
         if touched is None or slot is None or not slot.take():
@@ -620,17 +616,12 @@ class DeviceUpdater:
 
     def put_back(self) -> None:
         """The touched rows' state, once back in the staging, into its places on the host (before anything reads
-        it there: this thread's next update of the unit, a `drain`). Either optimizer thread may call it: the first
-        puts them back, under the lock."""
-        if self.rows is None:
+        it there: the next pass over the untouched rows, a `drain`)."""
+        if self.rows is None or self.rows.back is None:
             return
-        with self._back_lock:
-            if self.rows.back is None:
-                return
-            done, touched, places, staged = self.rows.back
-            host_wait(done)
-            self.rows.scatter(touched, places, staged)
-            self.rows.back = None
+        (done, touched, places, staged), self.rows.back = self.rows.back, None
+        host_wait(done)
+        self.rows.scatter(touched, places, staged)
 
     def _rows_chunk(self, room: _Buffers, plan: StepPlan, groups: tuple[list[list[float]], list[list[bool]],
                     list[int]], index: torch.Tensor, grads: torch.Tensor, table: torch.Tensor,

@@ -12,7 +12,6 @@ thread may still be updating that step's units.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -354,8 +353,7 @@ class LayerAdam:
         return self.failure.wait(lambda: self.ready(unit), f"the update of unit {unit}")
 
     def drain(self) -> float:
-        # the GPU's thread first: it may queue the touched rows' put-back on the CPU's (`_put_back_after_the_step`)
-        waited = sum(self.failure.wait(w.idle, f"the optimizer thread {w.name}") for w in reversed(self.workers))
+        waited = sum(self.failure.wait(w.idle, f"the optimizer thread {w.name}") for w in self.workers)
         waited += self.moments.drain()
         for unit, event in enumerate(self.landed):
             if event is not None:
@@ -369,10 +367,11 @@ class LayerAdam:
                 event = self._update(item.unit, item.plan, 0, item.grads, item.ready, wait=False, slot=item.slot)
             item.done(event)
             self._finish(item.unit)
-            self._put_back_after_the_step()
+            self._put_back_later(item.unit)
             return
         if isinstance(item, TouchedRowsBack):
-            self._put_back_after_the_step()
+            with self._working_on(item.unit):
+                self.on_device.put_back()
             return
         if isinstance(item, UntouchedRows):
             with self._working_on(item.unit):
@@ -385,7 +384,7 @@ class LayerAdam:
                 for start, n in self.moments.spans(item.unit):
                     self._update(item.unit, item.plan, start, item.grads[start : start + n], slot=item.slot)
             self._finish(item.unit)
-            self._put_back_after_the_step()
+            self._put_back_later(item.unit)
             return
         host_wait(item.ready)
         with self._working_on(item.unit):
@@ -397,23 +396,12 @@ class LayerAdam:
         item.release()
         if item.update and item.last:
             self._finish(item.unit)
-            self._put_back_after_the_step()
 
-    def _put_back_after_the_step(self) -> None:
-        """An embedding's touched rows, updated on the GPU at the step's end, go back in place on the host
-        (`DeviceUpdater.put_back`) once every update of the step is applied: on the CPU's thread, after its last
-        update of the step, or by an item of their own there where that came first. So they share the host's
-        memory with nothing the next forward waits for (the CPU's last updates, the embedding's own) and are in
-        place before the CPU's thread takes anything else. Where the GPU's thread updates the embedding again
-        first, it puts them back itself."""
-        rows = None if self.on_device is None else self.on_device.rows
-        if rows is None or rows.back is None or not all(map(self.ready, range(len(self.scheduled)))):
-            return
-        if threading.current_thread() is not self.worker:
-            self.worker.put(TouchedRowsBack(rows.unit))
-            return
-        with self._working_on(rows.unit):
-            self.on_device.put_back()
+    def _put_back_later(self, unit: int) -> None:
+        """An embedding's touched rows just updated on the GPU go back in place on the host by an item of their own,
+        off the path of the next forward, which waits for the unit's update (`DeviceUpdater.put_back`)."""
+        if self.on_device is not None and self.on_device.rows is not None and self.on_device.rows.back is not None:
+            self.device_worker.put(TouchedRowsBack(unit))
 
     def _untouched_rows(self, item: UntouchedRows) -> bool:
         """Queue (more of) the pass over an embedding's untouched rows; whether it is all queued."""

@@ -95,53 +95,6 @@ def test_the_pass_over_the_untouched_rows_gives_way_to_the_updates_queued_behind
     cpu.close(), gpu.close()
 
 
-def _put_backs(monkeypatch, cpu_first: bool = True) -> list[str]:
-    """The names of the threads that put touched rows back in place, in order. Without `cpu_first` the CPU's
-    thread holds each put-back until the GPU's has done one (or for two seconds, after the last step)."""
-    import threading
-
-    names, gpu_did, put_back = [], threading.Event(), device_update.DeviceUpdater.put_back
-    scatter = TouchedRows.scatter
-
-    def recorded(self, rows, places, staged):
-        names.append(threading.current_thread().name)
-        if names[-1].endswith("gpu"):
-            gpu_did.set()
-        scatter(self, rows, places, staged)
-
-    def held(self):
-        if not cpu_first and self.rows.back is not None and not threading.current_thread().name.endswith("gpu"):
-            gpu_did.wait(2.0)
-            gpu_did.clear()
-        put_back(self)
-
-    monkeypatch.setattr(TouchedRows, "scatter", recorded)
-    monkeypatch.setattr(device_update.DeviceUpdater, "put_back", held)
-    return names
-
-
-@pytest.mark.parametrize("cpu_first", [True, False], ids=["cpu-thread", "gpu-thread-first"])
-def test_touched_rows_go_back_in_place_once_a_step_on_whichever_optimizer_thread_gets_there_first(cpu_first,
-                                                                                                monkeypatch):
-    """The CPU's optimizer thread puts them back behind the CPU updates queued before it; where it has not by the
-    GPU's next pass over the table, the GPU's thread does, and the CPU's then finds nothing left to do."""
-    names = _put_backs(monkeypatch, cpu_first)
-    batches = token_batches(4)
-    (cpu, cpu_model), (gpu, gpu_model) = (_engine(on, torch.bfloat16, StepMode(), monkeypatch)
-                                          for on in (False, True))
-    _train(cpu, cpu_model, torch.bfloat16, batches)
-    _train(gpu, gpu_model, torch.bfloat16, batches)
-    steps = gpu.adam.on_device.rows.steps_ahead
-    assert steps == len(batches) - 1 and len(names) == steps
-    assert names[-1] == "slideformer-layer-adam"  # nothing after the last step but the drain
-    if cpu_first:
-        assert set(names) == {"slideformer-layer-adam"}
-    else:
-        assert names[:-1] == ["slideformer-layer-adam-gpu"] * (steps - 1)
-    assert_same_state(cpu, gpu)
-    cpu.close(), gpu.close()
-
-
 def _short_first(count: int) -> list[torch.Tensor]:
     """A first step of 4 tokens (at most 4 rows), then `count` steps of 32 (about 27 of the 97 rows each)."""
     batches = token_batches(count + 1)
