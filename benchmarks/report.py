@@ -254,6 +254,27 @@ def waits_md(records: list[dict]) -> str:
     return _table(header, rows) if rows else ""
 
 
+def threads_md(records: list[dict]) -> str:
+    """Per lightning-slide case, per step, each optimizer thread: how busy it was, how many units it updates (all of
+    a unit's updates run on one thread: the GPU's for the units the engine's `gpu_updated_units` names) and their
+    own time, the mean of its decoder blocks', and the embedding's and the head's where it has them. Set against the
+    step, the CPU thread's busy time says whether its update binds."""
+    rows = []
+    for r in records:
+        engine = r.get("engine_per_step") or {}
+        on_gpu = ((r.get("engine_stats") or {}).get("end") or {}).get("gpu_updated_units")
+        if not r["ok"] or "update_work_by_unit_s" not in engine or not isinstance(on_gpu, list):
+            continue  # records from before the engine named the GPU's units
+        for thread, busy in (("CPU", engine.get("update_busy_s")), ("GPU", engine.get("gpu_update_busy_s"))):
+            units = {u: s for u, s in engine["update_work_by_unit_s"].items() if (u in on_gpu) == (thread == "GPU")}
+            blocks = [s for u, s in units.items() if u.startswith("block.")]
+            rows.append([label(r), r.get("step_s_mean"), thread, busy, len(units), sum(units.values()),
+                         sum(blocks) / len(blocks) if blocks else None, units.get("embed"), units.get("head")])
+    header = ["case", "step s", "optimizer thread", "busy s", "units", "their own time s", "per block s",
+              "embedding s", "head s"]
+    return _table(header, rows) if rows else ""
+
+
 def traffic_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step: the GB each kind of copy moved each way across PCIe, and the units whose
     loads moved most (a unit loaded again is one whose slot was taken or whose new weights no update wrote there)."""
@@ -303,6 +324,9 @@ def tables_md(records: list[dict]) -> str:
     waits = waits_md(records)
     if waits:
         parts += ["### What the training thread waited for (per step)", waits]
+    threads = threads_md(records)
+    if threads:
+        parts += ["### The optimizer threads (per step)", threads]
     traffic = traffic_md(records)
     if traffic:
         parts += ["### What crossed PCIe (per step)", traffic]

@@ -713,7 +713,8 @@ class SlideEngine:
             "wait_drain_s": self.wait_drain_s,
             "planes_s": self.planes_s,
             "kept_graphs": self.graphs.kept,
-            "gpu_updated_units": len(updater.units) if updater else 0,  # units whose AdamW runs on the GPU
+            # the units whose AdamW runs on the GPU's optimizer thread (the others': the CPU's)
+            "gpu_updated_units": [s.name for s in self.storages if updater is not None and s.index in updater.units],
             "steps_rows_ahead": self._rows.steps_ahead if self._rows else 0,  # `touched_rows`
             "rows_staged": self._rows.capacity if self._rows else 0,  # ... the rows its staging holds now
             "block_slots": len(self.window.ring),  # blocks with a GPU slot (grown by the first step's adaptation)

@@ -51,9 +51,11 @@ def _trace() -> dict:
 def _run_records() -> list[dict]:
     """A made-up run: probe, 8B ceiling, 8B mb8 and mb64 slide with engine stats and a profile, the 8B ceiling
     with every block recomputed."""
-    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0, "wait_update_s": 0.0, "alloc_retries": 4},
+    stats = {"start": {"steps": 3, "h2d_bytes": 0, "d2h_bytes": 0, "wait_update_s": 0.0, "alloc_retries": 4,
+                       "update_busy_s": 1.0, "gpu_update_busy_s": 0.0},
              "end": {"steps": 13, "h2d_bytes": 640e9, "d2h_bytes": 320e9, "wait_update_s": 5.0, "alloc_retries": 24,
-                     "device_frees": 10,
+                     "device_frees": 10, "update_busy_s": 21.0, "gpu_update_busy_s": 10.0,
+                     "gpu_updated_units": ["block.1"],
                      "h2d_loads_bytes": 600e9, "h2d_saved_inputs_bytes": 0, "h2d_updates_bytes": 40e9,
                      "d2h_gradients_bytes": 300e9, "d2h_saved_inputs_bytes": 0, "d2h_updates_bytes": 20e9,
                      "load_by_unit_bytes": {"embed": 100e9, "block.0": 300e9, "block.1": 200e9},
@@ -268,6 +270,14 @@ def test_report_writes_summary_plots_ladders_and_per_case_json(tmp_path) -> None
     assert "| 60 | 0 | 4 | 30 | 0 | 2 | block.0 30.00, block.1 20.00, embed 10.00 |" in summary
     report.copy_results(tmp_path, tmp_path / "results", records)
     assert json.loads((tmp_path / "results" / "probe.json").read_text())["ok"]
+
+
+def test_the_summary_splits_each_optimizer_threads_time_by_the_units_it_updates() -> None:
+    records = _run_records()
+    finalize(records)
+    summary = report.summary_md(records)
+    assert "| llama3_8b-mb8-cap24-slide-cpu | 2.73 | CPU | 2 | 2 | 0.25 | 0.1 | 0.15 | - |" in summary
+    assert "| llama3_8b-mb8-cap24-slide-cpu | 2.73 | GPU | 1 | 1 | 0.09 | 0.09 | - | - |" in summary
 
 
 def test_a_ladder_stops_at_its_first_failure_and_keeps_what_passed(tmp_path, monkeypatch) -> None:
