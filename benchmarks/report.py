@@ -256,9 +256,10 @@ def waits_md(records: list[dict]) -> str:
 
 def threads_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step, each optimizer thread: how busy it was, how many units it updates (all of
-    a unit's updates run on one thread: the GPU's for the units the engine's `gpu_updated_units` names) and their
-    own time, the mean of its decoder blocks', and the embedding's and the head's where it has them. Set against the
-    step, the CPU thread's busy time says whether its update binds."""
+    a unit's updates run on one thread: the GPU's for the units the engine's `gpu_updated_units` names), their own
+    time and the thread's waits for their gradients to land (busy time holds both), the mean of its decoder blocks'
+    own time, and the embedding's and the head's where it has them. Set against the step, the CPU thread's busy time
+    says whether its update binds."""
     rows = []
     for r in records:
         engine = r.get("engine_per_step") or {}
@@ -267,11 +268,14 @@ def threads_md(records: list[dict]) -> str:
             continue  # records from before the engine named the GPU's units
         for thread, busy in (("CPU", engine.get("update_busy_s")), ("GPU", engine.get("gpu_update_busy_s"))):
             units = {u: s for u, s in engine["update_work_by_unit_s"].items() if (u in on_gpu) == (thread == "GPU")}
+            landing = [s for u, s in (engine.get("wait_landing_by_unit_s") or {}).items()
+                       if (u in on_gpu) == (thread == "GPU")]
             blocks = [s for u, s in units.items() if u.startswith("block.")]
             rows.append([label(r), r.get("step_s_mean"), thread, busy, len(units), sum(units.values()),
+                         sum(landing) if "wait_landing_by_unit_s" in engine else None,
                          sum(blocks) / len(blocks) if blocks else None, units.get("embed"), units.get("head")])
-    header = ["case", "step s", "optimizer thread", "busy s", "units", "their own time s", "per block s",
-              "embedding s", "head s"]
+    header = ["case", "step s", "optimizer thread", "busy s", "units", "their own time s",
+              "waited for gradients to land s", "per block s", "embedding s", "head s"]
     return _table(header, rows) if rows else ""
 
 

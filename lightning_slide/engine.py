@@ -709,6 +709,8 @@ class SlideEngine:
             "wait_update_s": sum(self.window.waits),
             "wait_update_by_unit_s": {s.name: w for s, w in zip(self.storages, self.window.waits) if w},
             "update_work_by_unit_s": {s.name: w for s, w in zip(self.storages, self.adam.work_s) if w},
+            # the optimizer threads' waits for gradient chunks whose copies to the host were queued, per unit
+            "wait_landing_by_unit_s": {s.name: w for s, w in zip(self.storages, self.adam.landing_s) if w},
             "wait_grads_s": self.wait_grads_s,
             "wait_drain_s": self.wait_drain_s,
             "planes_s": self.planes_s,

@@ -300,6 +300,7 @@ class LayerAdam:
         # written once this event has passed (loads wait for it on the device; `drain` on the host)
         self.landed: list[object] = [None] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
+        self.landing_s = [0.0] * len(storages)  # ... and its waits for the unit's gradient chunks to land
         largest = max((s.trainable_numel for s in storages), default=0)
         self.compact = moments.precision != "fp32"
         self.piece = piece = self.widen_elems(largest, moments.precision)
@@ -386,7 +387,9 @@ class LayerAdam:
             self._finish(item.unit)
             self._put_back_later(item.unit)
             return
+        start = time.perf_counter()
         host_wait(item.ready)
+        self.landing_s[item.unit] += time.perf_counter() - start
         with self._working_on(item.unit):
             grad = item.grad
             if item.accumulate and not item.landed:

@@ -257,7 +257,10 @@ def test_the_gpus_units_queue_on_an_optimizer_thread_of_their_own(monkeypatch):
     monkeypatch.setattr(layer_adam.LayerAdam, "_handle", record)
     engine = _train("fp32", StepMode(), True, monkeypatch, gpu_update_blocks=2)
     assert handled == {"slideformer-layer-adam-gpu": {1, 3}, "slideformer-layer-adam": {0, 2, 4}}
-    assert engine.stats()["gpu_update_busy_s"] > 0
+    stats = engine.stats()
+    assert stats["gpu_update_busy_s"] > 0 and stats["gpu_updated_units"] == ["block.0", "block.2"]
+    # only the CPU's units wait for gradients to land on the host: the GPU's stay in their device buffers
+    assert set(stats["wait_landing_by_unit_s"]) == {"embed", "block.1", "head"}
     engine.close()
 
 
