@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.loops import copy_rates
-from lightning_slide.pinned import PAGE, pin_, unpin_
+from lightning_slide.pinned import PAGE, host_empty, pin_, unpin_
 
 GIB = 2**30
 HUGE = 2 * 2**20
@@ -32,9 +32,7 @@ REPS = 8
 def _aligned(nbytes: int, huge: bool) -> torch.Tensor:
     """`nbytes` of uninitialised host memory starting on a 2 MiB boundary, advised onto huge pages if `huge` (the
     kernel backs them at first touch, which the fill below is)."""
-    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE
-    buf = torch.from_numpy(raw[start : start + nbytes].numpy())
+    buf = host_empty(nbytes, torch.uint8, align=HUGE)  # as the runtime allocates what it locks in place
     if huge:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:

@@ -16,15 +16,16 @@ import torch
 PAGE = mmap.PAGESIZE
 
 
-def host_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised host tensor whose storage starts on a page boundary and shares none of its pages: `pin_`
-    can lock it whatever was locked before it, and `is_pinned()` (which asks about the storage's first byte) then
-    says so. The storage is a numpy view of a larger allocation, which it keeps alive."""
+def host_empty(numel: int, dtype: torch.dtype = torch.float32, align: int = PAGE) -> torch.Tensor:
+    """An uninitialised host tensor whose storage starts on an `align` boundary (a page, or a multiple of one) and
+    shares none of its pages: `pin_` can lock it whatever was locked before it, and `is_pinned()` (which asks about
+    the storage's first byte) then says so. The storage is a numpy view of a larger allocation, which it keeps
+    alive."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     nbytes, span = numel * dtype.itemsize, -(-numel * dtype.itemsize // PAGE) * PAGE
-    raw = torch.empty(span + PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE
+    raw = torch.empty(span + align, dtype=torch.uint8)
+    start = -raw.data_ptr() % align
     return torch.from_numpy(raw[start : start + span].numpy())[:nbytes].view(dtype)
 
 
