@@ -254,6 +254,11 @@ def waits_md(records: list[dict]) -> str:
     return _table(header, rows) if rows else ""
 
 
+def _on_thread(by_unit: dict[str, float] | None, on_gpu: list[str], gpu: bool) -> dict[str, float]:
+    """The units of a per-unit stat that the GPU's optimizer thread updates (`gpu`), or the CPU's."""
+    return {u: s for u, s in (by_unit or {}).items() if (u in on_gpu) == gpu}
+
+
 def threads_md(records: list[dict]) -> str:
     """Per lightning-slide case, per step, each optimizer thread: how busy it was, how many units it updates (all of
     a unit's updates run on one thread: the GPU's for the units the engine's `gpu_updated_units` names), their own
@@ -267,12 +272,11 @@ def threads_md(records: list[dict]) -> str:
         if not r["ok"] or "update_work_by_unit_s" not in engine or not isinstance(on_gpu, list):
             continue  # records from before the engine named the GPU's units
         for thread, busy in (("CPU", engine.get("update_busy_s")), ("GPU", engine.get("gpu_update_busy_s"))):
-            units = {u: s for u, s in engine["update_work_by_unit_s"].items() if (u in on_gpu) == (thread == "GPU")}
-            landing = [s for u, s in (engine.get("wait_landing_by_unit_s") or {}).items()
-                       if (u in on_gpu) == (thread == "GPU")]
+            units, landing = (_on_thread(engine.get(stat), on_gpu, thread == "GPU")
+                              for stat in ("update_work_by_unit_s", "wait_landing_by_unit_s"))
             blocks = [s for u, s in units.items() if u.startswith("block.")]
             rows.append([label(r), r.get("step_s_mean"), thread, busy, len(units), sum(units.values()),
-                         sum(landing) if "wait_landing_by_unit_s" in engine else None,
+                         sum(landing.values()) if "wait_landing_by_unit_s" in engine else None,
                          sum(blocks) / len(blocks) if blocks else None, units.get("embed"), units.get("head")])
     header = ["case", "step s", "optimizer thread", "busy s", "units", "their own time s",
               "waited for gradients to land s", "per block s", "embedding s", "head s"]
