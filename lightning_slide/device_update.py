@@ -209,15 +209,29 @@ def _balanced(blocks: list[int], trainable: Sequence[int], rates: UpdateRates, l
     return spread(blocks, balanced_blocks(kept, [trainable[u] for u in blocks], rates, link_bytes, hidden_s))
 
 
-def hidden_update_s(device: torch.device, block_params: int, tokens: int, deferred: bool) -> float:
+def hidden_update_s(device: torch.device, block_params: int, tokens: int, deferred: bool, recomputed: bool) -> float:
     """Seconds of compute on `device` that a step's updates run beside, for micro-batches of `tokens` through
     blocks of `block_params` parameters in all: eager updates start as the last micro-batch's backward hands over
-    gradients and run beside the rest of it (4 flops per parameter and token, more where blocks are recomputed),
-    deferred ones (clipped steps) beside the next forward, which takes the units in the order they are updated
-    (2). At the probe's matmul rate (`measured_rates`), which the model's kernels do not reach: the estimate errs
-    short, towards the GPU's share. 0 where the rates cannot be measured."""
+    gradients and run beside the rest of it (4 flops per parameter and token, 6 where the blocks are `recomputed`:
+    their forward runs again first), deferred ones (clipped steps) beside the next forward, which takes the units
+    in the order they are updated (2). At the probe's matmul rate (`measured_rates`), which the model's kernels do
+    not reach: the estimate errs short, towards the GPU's share. 0 where the rates cannot be measured."""
     rates = measured_rates(device)
-    return 0.0 if rates is None else (2 if deferred else 4) * block_params * tokens / rates.gpu_flops_s
+    flops = 2 if deferred else 6 if recomputed else 4
+    return 0.0 if rates is None else flops * block_params * tokens / rates.gpu_flops_s
+
+
+def updates_keep_pace(units: Collection[int], trainable: Sequence[int], device: torch.device, link_bytes: float,
+                      hidden_s: float) -> bool:
+    """Whether a step's updates, the GPU's `units` and the CPU's the rest, end within the `hidden_s` seconds of
+    compute they run beside (`hidden_update_s`) at `measured_rates`: the optimizer threads then keep pace with
+    the backward, and nothing is queued ahead of the lowest blocks' gradients when they come. False where the
+    rates cannot be measured."""
+    rates = measured_rates(device)
+    if rates is None:
+        return False
+    gpu = sum(trainable[u] for u in units)
+    return _finish_s(gpu, sum(trainable) - gpu, rates, link_bytes) <= hidden_s
 
 
 def embedding_first(rates: UpdateRates, link_bytes: float = fp32_link_bytes(None)) -> bool:
@@ -251,13 +265,17 @@ def balanced_blocks(kept: int, blocks: Sequence[int], rates: UpdateRates,
     `fp32_link_bytes`) and `CPU_UNIT_LINK_BYTES` per element the CPU updates (its fp32 gradient down, its new
     weights up on the next load); the CPU updates `kept` elements besides the blocks it keeps. The GPU's kernels
     are not counted: a few memory-bound passes, far below either."""
-    direction = rates.link_bytes_s / 2
-
     def finish(k: int) -> float:
-        gpu, cpu = sum(blocks[:k]), kept + sum(blocks[k:])
-        link = (gpu * link_bytes / 2 + cpu * CPU_UNIT_LINK_BYTES) / direction
-        return max(cpu / rates.cpu_elems_s, link, hidden_s)
+        return max(_finish_s(sum(blocks[:k]), kept + sum(blocks[k:]), rates, link_bytes), hidden_s)
     return min(range(len(blocks) + 1), key=finish)  # the first of equals: the fewest blocks
+
+
+def _finish_s(gpu: int, cpu: int, rates: UpdateRates, link_bytes: float) -> float:
+    """When a step's updates end, `gpu` elements updated on the GPU and `cpu` on the CPU at once: the CPU's update,
+    or the link carrying the GPU's master and moments (`link_bytes` / 2 per element each way) and the CPU's
+    gradients down and weights up (`CPU_UNIT_LINK_BYTES` each way), whichever takes longer."""
+    link = (gpu * link_bytes / 2 + cpu * CPU_UNIT_LINK_BYTES) / (rates.link_bytes_s / 2)
+    return max(cpu / rates.cpu_elems_s, link)
 
 
 def measured_rates(device: torch.device) -> UpdateRates | None:

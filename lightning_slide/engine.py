@@ -5,11 +5,11 @@ the unit's weights into a slot, computes under no-grad and keeps only the part's
 that input back, recomputes the part with its weights as fresh leaves, writes the weight gradients into a GPU
 gradient buffer, and, once every part of a unit is done, hands the unit's gradient to the copy thread and
 Layer-Adam (`gradients.py`). The next forward needs the units in ascending order and the backward finishes
-them in descending order, so the lowest blocks (as many as there are block gradient buffers: they hold their
-own) wait for the backward's last gradient and then go lowest first: the updates the next forward waits for
-come before those it does not. Where device memory is spare, a call keeps its graph instead and its backward
-skips the recompute (`graphs.py`). The engine imports no Lightning: the strategy (or any plain loop) drives
-it through `begin_step`, `end_step`, `synchronize` and the state methods.
+them in descending order, so where the updates run behind the backward the lowest blocks (as many as there are
+block gradient buffers: they hold their own) wait for the backward's last gradient and then go lowest first: the
+updates the next forward waits for come before those it does not. Where device memory is spare, a call keeps its
+graph instead and its backward skips the recompute (`graphs.py`). The engine imports no Lightning: the strategy
+(or any plain loop) drives it through `begin_step`, `end_step`, `synchronize` and the state methods.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from lightning_slide.device_update import (
     gpu_updated_units,
     gpu_updates_on,
     hidden_update_s,
+    updates_keep_pace,
 )
 from lightning_slide.gradients import GradRouter
 from lightning_slide.graphs import GraphBudget
@@ -530,19 +531,27 @@ class SlideEngine:
 
     def _fit_gpu_split(self, tokens: int) -> None:
         """At the first training micro-batch of an fp32 "auto" split: the CPU takes back the blocks whose updates
-        a step of micro-batches of `tokens` hides behind its compute anyway (`device_update.fitted_units`)."""
+        a step of micro-batches of `tokens` hides behind its compute anyway (`device_update.fitted_units`), and
+        where all of them are hidden, the lowest blocks' gradients go as they come instead of waiting for the
+        backward's last (`GradRouter.hold_back`): the CPU then updates them beside the backward's tail rather than
+        one after another at the boundary. Blocks count as recomputed unless `recompute="never"`: "auto" recomputes
+        every block in the first step and keeps graphs later only in VRAM left spare."""
         updater, link = self.adam.on_device, self._unfitted_link
         if updater is None or link is None:
             return
         self._unfitted_link = None
         blocks = sum(s.numel for s, dedicated in zip(self.storages, self._dedicated) if not dedicated)
-        hidden = hidden_update_s(updater.device, blocks, tokens, self.deferred)
+        hidden = hidden_update_s(updater.device, blocks, tokens, self.deferred, self.config.recompute != "never")
         trainable = [s.trainable_numel for s in self.storages]
         before = len(updater.units)
         self._leave_gpu_updates(updater.units.difference(
             fitted_units(updater.units, self._dedicated, trainable, updater.device, link, hidden)))
         self.notes.append(f"fp32 updates on the GPU for micro-batches of {tokens} tokens: {len(updater.units)} of the "
                           f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates)")
+        if not self.deferred and updates_keep_pace(updater.units, trainable, updater.device, link, hidden):
+            self.grads.hold_back(set())
+            self.notes.append("the updates keep pace with the backward: each goes as its gradient comes, the lowest "
+                              "blocks' too")
 
     def _reserve_rows(self) -> None:
         """After the first step, whose buffers then hold their host memory: the staging of the embedding's touched

@@ -85,10 +85,16 @@ class GradRouter:
         self.moments, self.mode, self.dtype, self.device, self.failure = moments, mode, dtype, device, failure
         self.book = Bookkeeping(len(storages))
         ring_units = [u for u, s in enumerate(storages) if s.trainable_numel and u not in window.dedicated]
-        self.held_back = set(ring_units[: len(window.block_grads)])
-        self.update_order = [u for u in reversed(range(len(storages))) if u not in self.held_back]
-        self.update_order += sorted(self.held_back)
+        self.hold_back(set(ring_units[: len(window.block_grads)]))
         self.wait_s = 0.0  # the training thread's waits for gradient buffers and for updates of lent buffers
+
+    def hold_back(self, units: set[int]) -> None:
+        """The lowest blocks whose gradients wait for the backward's last one and then go lowest first
+        (`release_held`): where the optimizer threads run behind the backward, the updates the next forward waits
+        for then come first; where they keep pace, none (each update then runs as its gradient comes, and only the
+        last ones are left for the step's end). `update_order` is the order the backward then hands units over."""
+        self.held_back = units
+        self.update_order = [u for u in reversed(range(len(self.storages))) if u not in units] + sorted(units)
 
     @staticmethod
     def home_bytes(trainable: int, dtype: torch.dtype) -> int:

@@ -187,13 +187,27 @@ def test_auto_gives_the_gpu_the_fewest_blocks_whose_updates_end_within_the_compu
 
 
 def test_a_steps_updates_run_beside_its_last_backward_or_with_clipping_beside_the_next_forward(monkeypatch):
-    """4 flops per block parameter and token of backward, 2 of forward, at the probe's matmul rate."""
+    """4 flops per block parameter and token of backward, 2 more where it recomputes the blocks, 2 of forward,
+    at the probe's matmul rate."""
     monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(1.0, 1.0, 1e15))
-    cuda = torch.device("cuda")
-    assert device_update.hidden_update_s(cuda, 8_000_000_000, 65536, deferred=False) == pytest.approx(2.097152)
-    assert device_update.hidden_update_s(cuda, 8_000_000_000, 65536, deferred=True) == pytest.approx(1.048576)
+    cuda, hidden = torch.device("cuda"), device_update.hidden_update_s
+    assert hidden(cuda, 8_000_000_000, 65536, deferred=False, recomputed=False) == pytest.approx(2.097152)
+    assert hidden(cuda, 8_000_000_000, 65536, deferred=False, recomputed=True) == pytest.approx(3.145728)
+    assert hidden(cuda, 8_000_000_000, 65536, deferred=True, recomputed=True) == pytest.approx(1.048576)
     monkeypatch.setattr(device_update, "measured_rates", lambda device: None)
-    assert device_update.hidden_update_s(cuda, 8_000_000_000, 65536, deferred=False) == 0.0
+    assert hidden(cuda, 8_000_000_000, 65536, deferred=False, recomputed=True) == 0.0
+
+
+def test_updates_keep_pace_with_the_backward_where_they_end_within_the_compute_they_run_beside(monkeypatch):
+    """1 element/s on the CPU, 24 bytes/s of link: 100 elements, 20 of them on the GPU (the link carries 20 x 12 +
+    80 x 4 bytes each way at 12/s: 46.7 s), end when the CPU's 80 do, after 80 s."""
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(1.0, 24.0, 1.0))
+    trainable, cpu = [20, 40, 40], torch.device("cpu")
+    assert device_update.updates_keep_pace([0], trainable, cpu, 24.0, hidden_s=80.0)
+    assert not device_update.updates_keep_pace([0], trainable, cpu, 24.0, hidden_s=79.0)
+    assert not device_update.updates_keep_pace([], trainable, cpu, 24.0, hidden_s=99.0)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: None)
+    assert not device_update.updates_keep_pace([0], trainable, cpu, 24.0, hidden_s=1e9)
 
 
 def test_a_fitted_split_keeps_the_embedding_and_an_even_spread_of_the_blocks_auto_gave_the_gpu(monkeypatch):
@@ -219,6 +233,19 @@ def test_a_trainer_fits_the_split_to_its_first_micro_batch_and_trains_as_torchs_
     got = fit(model, batches, SlideStrategy(use_kernels=False), 3)
     assert updated == [0, 0, 0]
     assert relative_difference(reference(model, batches, 3), got.model) <= 1e-6
+
+
+def test_where_the_updates_keep_pace_the_lowest_blocks_go_as_their_gradients_come(monkeypatch):
+    """At rates where any step hides every update, the CPU updates each block as the backward hands it over, the
+    lowest ones too: none waits for the embedding's gradient (the stand-in device updates the embedding)."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    order, adam_ = [], layer_adam.adam_
+    monkeypatch.setattr(layer_adam, "adam_", lambda storage, *a: (order.append(storage.name), adam_(storage, *a)))
+    model, batches = tiny_model("llama", num_hidden_layers=6), token_batches(1)
+    got = fit(model, batches, SlideStrategy(use_kernels=False), 1)
+    assert order == ["head", "block.5", "block.4", "block.3", "block.2", "block.1", "block.0"]
+    assert relative_difference(reference(model, batches, 1), got.model) <= 1e-6
 
 
 def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
