@@ -13,7 +13,7 @@ for the norm, has its touched rows gathered there as well). Every element goes t
 AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
 
 The staging is reserved after the first training step, whose own buffers then hold their host memory: for
-`MARGIN` times the rows that step touched (all its micro-batches', with accumulation), where that is at most 3/4 of
+`MARGIN` times the rows that step touched (all its micro-batches', with accumulation), where that is at most half
 the table (beyond, the boundary's share of the update is most of it) and takes at most `RAM_SHARE` of the host RAM
 free then. Sized by what the data touches, not by the tokens: text's skew touches far fewer rows than it has
 tokens (at 65,536 tokens of Llama-3's 128,256 ids, ids drawn with a Zipf law of exponent 1 touch about 15% of the
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from fractions import Fraction
 
 import torch
 
@@ -35,7 +34,7 @@ from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane, host_wait
 
 MARGIN = 1.25  # staging for 5/4 of the rows the first step touched: later steps touch a few more or fewer
-CAPACITY_SHARE = Fraction(3, 4)  # ... where that is at most 3/4 of the table's rows (40% touched goes ahead)
+CAPACITY_SHARE = 2  # ... where that is at most 1/2 of the table's rows
 RAM_SHARE = 4  # ... and takes at most 1/4 of the host RAM free after the first step (its own buffers allocated)
 
 
@@ -81,13 +80,13 @@ class TouchedRows:
         return int(rows * self.hidden * (_row_bytes(self.plane_bits) + held))
 
     def reserve(self, touched: int) -> str | None:
-        """Staging for `MARGIN` times `touched` rows, where that is at most `CAPACITY_SHARE` of the table and takes
+        """Staging for `MARGIN` times `touched` rows, where that is at most 1/`CAPACITY_SHARE` of the table and takes
         at most 1/`RAM_SHARE` of the free host bytes (a smaller staging it replaces counting as free). Returns None
         once reserved, else why not (a staging reserved before then stays)."""
         rows = math.ceil(touched * MARGIN)
-        if rows > self.vocab * CAPACITY_SHARE:
+        if rows > self.vocab // CAPACITY_SHARE:
             return (f"a step touched {touched} of its {self.vocab} rows: staging {MARGIN:g} times as many would hold "
-                    f"more than {CAPACITY_SHARE} of them")
+                    f"more than 1/{CAPACITY_SHARE} of them")
         if self.staging_bytes(rows) * RAM_SHARE > self.free_ram() + self.staging_bytes(self.capacity):
             return (f"staging {rows} touched rows would take {self.staging_bytes(rows) / 2**30:.2f} GiB, more than "
                     f"1/{RAM_SHARE} of the free host RAM")
