@@ -18,7 +18,9 @@ follows the window's closing synchronisation, so it only leads in and is not cou
 the largest first, so two cases of one model can be told apart kernel by kernel. `gaps` says where the idle
 time sits: the longest gaps of the last counted step, each with its offset into the step, the compute kernels
 either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so a wait at the step
-boundary can be told from a wait inside the backward. `copies` says how PCIe was used on the same timeline: per
+boundary can be told from a wait inside the backward (a copy is named with its stream); `idle_by_gap_s` splits each
+counted step's idle time by its gaps' lengths (under 1 ms, 1-10 ms, 10 ms or more). `copies` says how PCIe was
+used on the same timeline: per
 counted step and direction, the time any copy was moving (the union of the copies' intervals), the bytes moved
 and their rate while moving, and the time both directions moved at once, so copies that run slowly can be told
 from copies that wait; `copies_by_stream` splits the last counted step's copies by stream, so the engine's lanes
@@ -45,6 +47,7 @@ TOP_BESIDE = 4  # names of the other work kept per gap
 NAME_CHARS = 100
 Interval = tuple[float, float]
 COPY_NAMES = {"h2d": "HtoD", "d2h": "DtoH"}  # how the profiler names a copy up and a copy back
+GAP_CLASSES_MS = (("under_1ms", 1.0), ("1_to_10ms", 10.0), ("10ms_up", float("inf")))  # name, upper bound (ms)
 
 
 class IdleProbe:
@@ -113,11 +116,18 @@ def read_trace(trace: dict) -> Activity:
         other=[_interval(e) for e in others],
         boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
         names=[e.get("name", "?")[:NAME_CHARS] for e in kernels],
-        other_names=[e.get("name", "?")[:NAME_CHARS] for e in others],
+        other_names=[_other_name(e) for e in others],
         copies={way: [(_interval(e), float((e.get("args") or {}).get("bytes", 0)), _stream(e)) for e in events
                       if e["cat"] == "gpu_memcpy" and tag in e.get("name", "")]
                 for way, tag in COPY_NAMES.items()},
     )
+
+
+def _other_name(event: dict) -> str:
+    """A side event's name; a copy's with its stream, which tells the engine's lanes apart (loads, gradients, the
+    GPU updater's sets)."""
+    name = event.get("name", "?")[:NAME_CHARS]
+    return f"{name} (stream {_stream(event)})" if event["cat"] == "gpu_memcpy" else name
 
 
 def _stream(event: dict) -> object:
@@ -142,7 +152,19 @@ def idle_per_step(activity: Activity) -> dict:
             rows[key].append(value / 1e6)
     steps = len(rows["step_s"])
     return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
-            "gaps": largest_gaps(activity), "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
+            "gaps": largest_gaps(activity), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
+            "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
+
+
+def idle_by_gap(compute: list[Interval], boundaries: list[float]) -> dict[str, list[float]]:
+    """Per counted step, the idle seconds in gaps of each length class (`GAP_CLASSES_MS`): many short gaps are the
+    host launching kernels or small waits between them, a few long ones a wait for a transfer or an update."""
+    out: dict[str, list[float]] = {name: [] for name, _ in GAP_CLASSES_MS}
+    for lo, hi in zip(boundaries[1:], boundaries[2:]):
+        found = gaps(compute, lo, hi)
+        for (name, below), above in zip(GAP_CLASSES_MS, [0.0] + [b for _, b in GAP_CLASSES_MS]):
+            out[name].append(sum(b - a for a, b in found if above * 1e3 <= b - a < below * 1e3) / 1e6)
+    return out
 
 
 def copy_streams(activity: Activity) -> dict[str, dict[str, float]]:

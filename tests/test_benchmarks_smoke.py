@@ -16,7 +16,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.cases import CASES, SUITES, ladder, resolve
-from benchmarks.gpu_idle import idle_per_step, read_trace
+from benchmarks.gpu_idle import idle_by_gap, idle_per_step, read_trace
 from benchmarks.ladder import LadderLog, conclude, merge_retry, retry_size
 from benchmarks.records import base_record, finalize
 from benchmarks.run import Runner, plan
@@ -175,7 +175,16 @@ def test_the_last_steps_longest_gaps_name_their_neighbours_and_what_ran_beside()
     (gap,) = idle_per_step(read_trace(trace))["gaps"]  # step 3 only: 2300-2500 idle
     assert gap["at_s"] == pytest.approx(3e-4) and gap["idle_s"] == pytest.approx(2e-4)
     assert (gap["before"], gap["after"]) == ("embed", "head")
-    assert gap["beside_s"] == {"Memcpy DtoH": pytest.approx(1e-4)}
+    assert gap["beside_s"] == {"Memcpy DtoH (stream 20)": pytest.approx(1e-4)}
+
+
+def test_each_steps_idle_time_is_split_by_the_length_of_its_gaps() -> None:
+    """A 30 ms step (after a lead-in one) whose compute leaves gaps of 0.5, 5 and 12 ms; the trace's step 2 idles
+    in one 400 µs gap."""
+    compute = [(0.0, 1000.0), (1500.0, 2000.0), (7000.0, 8000.0), (20000.0, 30000.0)]
+    assert idle_by_gap(compute, [-1.0, 0.0, 30000.0]) == {
+        "under_1ms": pytest.approx([5e-4]), "1_to_10ms": pytest.approx([5e-3]), "10ms_up": pytest.approx([1.2e-2])}
+    assert idle_per_step(read_trace(_trace()))["idle_by_gap_s"]["under_1ms"] == pytest.approx([4e-4, 0.0])
 
 
 def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
