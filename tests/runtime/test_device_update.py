@@ -8,6 +8,7 @@ import torch
 
 import lightning_slide.device_update as device_update
 import lightning_slide.engine as engine_module
+import lightning_slide.gradients as gradients
 import lightning_slide.layer_adam as layer_adam
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
 from tests.runtime.helpers import (
@@ -246,6 +247,34 @@ def test_where_the_updates_keep_pace_the_lowest_blocks_go_as_their_gradients_com
     got = fit(model, batches, SlideStrategy(use_kernels=False), 1)
     assert order == ["head", "block.5", "block.4", "block.3", "block.2", "block.1", "block.0"]
     assert relative_difference(reference(model, batches, 1), got.model) <= 1e-6
+
+
+def test_accumulated_steps_whose_updates_keep_pace_train_as_torchs_adamw(monkeypatch):
+    """The same rates, two micro-batches a step over three steps: the sums of the lowest blocks go to the host as
+    they come in every micro-batch, and the last one's updates as their sums are complete."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    held, hold_back = [], gradients.GradRouter.hold_back
+    monkeypatch.setattr(gradients.GradRouter, "hold_back",
+                        lambda self, units: (held.append(set(units)), hold_back(self, units)))
+    model, batches = tiny_model("llama"), token_batches(6)
+    got = fit(model, batches, SlideStrategy(use_kernels=False), 3, accumulate=2)
+    assert held == [{1, 2, 3}, set()]  # the lowest three blocks, until the first micro-batch is fitted
+    assert relative_difference(reference(model, batches, 3, accumulate=2), got.model) <= 1e-6
+
+
+def test_clipped_steps_hold_the_lowest_blocks_back_whatever_the_rates(monkeypatch):
+    """Clipped updates wait for the norm and run in forward order after the backward: their gradients keep the
+    order that sends the next forward's first units first."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    held, hold_back = [], gradients.GradRouter.hold_back
+    monkeypatch.setattr(gradients.GradRouter, "hold_back",
+                        lambda self, units: (held.append(set(units)), hold_back(self, units)))
+    model, batches = tiny_model("llama"), token_batches(2)
+    got = fit(model, batches, SlideStrategy(use_kernels=False), 2, clip=1.0)
+    assert held == [{1, 2, 3}]
+    assert relative_difference(reference(model, batches, 2, clip=1.0), got.model) <= 1e-6
 
 
 def test_auto_splits_the_fp32_blocks_at_the_measured_rates(monkeypatch):
