@@ -222,11 +222,21 @@ def test_a_fitted_split_keeps_the_embedding_and_an_even_spread_of_the_blocks_aut
     assert device_update.fitted_units(units, dedicated, trainable, cpu, 24.0, hidden_s=100.0) == [0, 4, 8]
 
 
+def _hiding_every_update(monkeypatch) -> list[set[int]]:
+    """Rates at which any step's compute hides every update, on a stand-in device; returns the lowest blocks held
+    back, as the engine sets them (at its start, and where the fit changes them)."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    held, hold_back = [], gradients.GradRouter.hold_back
+    monkeypatch.setattr(gradients.GradRouter, "hold_back",
+                        lambda self, units: (held.append(set(units)), hold_back(self, units)))
+    return held
+
+
 def test_a_trainer_fits_the_split_to_its_first_micro_batch_and_trains_as_torchs_adamw(monkeypatch):
     """Through Lightning (the strategy hands the engine each micro-batch's tokens), at rates where any step hides
     every update: from the first micro-batch on, the stand-in device updates the embedding only."""
-    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
-    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    _hiding_every_update(monkeypatch)
     updated, run = [], device_update.DeviceUpdater.run
     monkeypatch.setattr(device_update.DeviceUpdater, "run",
                         lambda self, storage, *args: updated.append(storage.index) or run(self, storage, *args))
@@ -239,8 +249,7 @@ def test_a_trainer_fits_the_split_to_its_first_micro_batch_and_trains_as_torchs_
 def test_where_the_updates_keep_pace_the_lowest_blocks_go_as_their_gradients_come(monkeypatch):
     """At rates where any step hides every update, the CPU updates each block as the backward hands it over, the
     lowest ones too: none waits for the embedding's gradient (the stand-in device updates the embedding)."""
-    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
-    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
+    _hiding_every_update(monkeypatch)
     order, adam_ = [], layer_adam.adam_
     monkeypatch.setattr(layer_adam, "adam_", lambda storage, *a: (order.append(storage.name), adam_(storage, *a)))
     model, batches = tiny_model("llama", num_hidden_layers=6), token_batches(1)
@@ -250,13 +259,9 @@ def test_where_the_updates_keep_pace_the_lowest_blocks_go_as_their_gradients_com
 
 
 def test_accumulated_steps_whose_updates_keep_pace_train_as_torchs_adamw(monkeypatch):
-    """The same rates, two micro-batches a step over three steps: the sums of the lowest blocks go to the host as
-    they come in every micro-batch, and the last one's updates as their sums are complete."""
-    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
-    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
-    held, hold_back = [], gradients.GradRouter.hold_back
-    monkeypatch.setattr(gradients.GradRouter, "hold_back",
-                        lambda self, units: (held.append(set(units)), hold_back(self, units)))
+    """Rates that hide every update, two micro-batches a step over three steps: the sums of the lowest blocks go
+    to the host as they come in every micro-batch, and the last one's updates as their sums are complete."""
+    held = _hiding_every_update(monkeypatch)
     model, batches = tiny_model("llama"), token_batches(6)
     got = fit(model, batches, SlideStrategy(use_kernels=False), 3, accumulate=2)
     assert held == [{1, 2, 3}, set()]  # the lowest three blocks, until the first micro-batch is fitted
@@ -266,11 +271,7 @@ def test_accumulated_steps_whose_updates_keep_pace_train_as_torchs_adamw(monkeyp
 def test_clipped_steps_hold_the_lowest_blocks_back_whatever_the_rates(monkeypatch):
     """Clipped updates wait for the norm and run in forward order after the backward: their gradients keep the
     order that sends the next forward's first units first."""
-    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
-    monkeypatch.setattr(device_update, "measured_rates", lambda device: device_update.UpdateRates(3.1e9, 72e9, 1.0))
-    held, hold_back = [], gradients.GradRouter.hold_back
-    monkeypatch.setattr(gradients.GradRouter, "hold_back",
-                        lambda self, units: (held.append(set(units)), hold_back(self, units)))
+    held = _hiding_every_update(monkeypatch)
     model, batches = tiny_model("llama"), token_batches(2)
     got = fit(model, batches, SlideStrategy(use_kernels=False), 2, clip=1.0)
     assert held == [{1, 2, 3}]
