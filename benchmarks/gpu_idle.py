@@ -14,17 +14,17 @@ while a copy or another stream's kernel ran (the compute most likely waited on a
 `idle_empty_s` while the GPU did nothing at all (it waited on the host). The first profiled step
 follows the window's closing synchronisation, so it only leads in and is not counted.
 
-`kernels_s` says what the busy time was: the compute stream's kernel time per counted step by kernel name,
-the largest first, so two cases of one model can be told apart kernel by kernel. `gaps` says where the idle
-time sits: the longest gaps of the last counted step, each with its offset into the step, the compute kernels
-either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so a wait at the step
-boundary can be told from a wait inside the backward (a copy is named with its stream); `idle_by_gap_s` splits each
-counted step's idle time by its gaps' lengths (under 1 ms, 1-10 ms, 10 ms or more). `copies` says how PCIe was
-used on the same timeline: per
-counted step and direction, the time any copy was moving (the union of the copies' intervals), the bytes moved
-and their rate while moving, and the time both directions moved at once, so copies that run slowly can be told
-from copies that wait; `copies_by_stream` splits the last counted step's copies by stream, so the engine's lanes
-(loads, gradients, the GPU updater's sets) can be told apart by what they carry.
+`kernels_s` says what the busy time was: the compute stream's kernel time per counted step by kernel name, the
+largest first, so two cases of one model can be told apart kernel by kernel. `gaps` says where the idle time sits:
+the longest gaps of the last counted step, each with its offset into the step, how much of it the GPU did nothing
+at all, the compute kernels either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so
+a wait at the step boundary can be told from a wait inside the backward (a copy is named with its stream);
+`idle_by_gap_s` splits each counted step's idle time by its gaps' lengths (under 1 ms, 1-10 ms, 10 ms or more).
+`copies` says how PCIe was used on the same timeline: per counted step and direction, the time any copy was moving
+(the union of the copies' intervals), the bytes moved and their rate while moving, and the time both directions
+moved at once, so copies that run slowly can be told from copies that wait; `copies_by_stream` splits the last
+counted step's copies by stream, so the engine's lanes (loads, gradients, the GPU updater's sets) can be told apart
+by what they carry.
 """
 
 from __future__ import annotations
@@ -204,10 +204,12 @@ def _moved(copies: list[tuple[Interval, float, object]], lo: float, hi: float) -
 
 def largest_gaps(activity: Activity) -> list[dict]:
     """The last counted step's `TOP_GAPS` longest compute-stream gaps, longest first: offset into the step and
-    length (s), the compute kernels before and after, and the other work that overlapped it (s per name)."""
+    length (s), how much of it the GPU did nothing at all (s), the compute kernels before and after, and the other
+    work that overlapped it (s per name)."""
     lo, hi = activity.boundaries[-2], activity.boundaries[-1]
     order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
     starts = [activity.compute[i][0] for i in order]
+    other = union(activity.other)
     out = []
     for start, end in sorted(gaps(union(activity.compute), lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
         after = bisect.bisect_left(starts, end)
@@ -216,6 +218,7 @@ def largest_gaps(activity: Activity) -> list[dict]:
             if a < end and b > start:
                 beside[name] += (min(b, end) - max(a, start)) / 1e6
         out.append({"at_s": (start - lo) / 1e6, "idle_s": (end - start) / 1e6,
+                    "empty_s": (end - start - length(intersect([(start, end)], other))) / 1e6,
                     "before": activity.names[order[after - 1]] if after > 0 else None,
                     "after": activity.names[order[after]] if after < len(order) else None,
                     "beside_s": dict(beside.most_common(TOP_BESIDE))})

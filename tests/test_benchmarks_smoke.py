@@ -174,6 +174,7 @@ def test_the_last_steps_longest_gaps_name_their_neighbours_and_what_ran_beside()
     trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["ts"] == 2000.0 and e["name"] == "gemm")]
     (gap,) = idle_per_step(read_trace(trace))["gaps"]  # step 3 only: 2300-2500 idle
     assert gap["at_s"] == pytest.approx(3e-4) and gap["idle_s"] == pytest.approx(2e-4)
+    assert gap["empty_s"] == pytest.approx(1e-4)  # the copy back ran 2350-2450 of 2300-2500
     assert (gap["before"], gap["after"]) == ("embed", "head")
     assert gap["beside_s"] == {"Memcpy DtoH (stream 20)": pytest.approx(1e-4)}
 
