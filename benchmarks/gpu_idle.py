@@ -152,7 +152,7 @@ def idle_per_step(activity: Activity) -> dict:
             rows[key].append(value / 1e6)
     steps = len(rows["step_s"])
     return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
-            "gaps": largest_gaps(activity), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
+            "gaps": largest_gaps(activity, compute, other), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
             "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
 
 
@@ -202,16 +202,16 @@ def _moved(copies: list[tuple[Interval, float, object]], lo: float, hi: float) -
             sum(n for (start, _), n, _ in copies if lo <= start < hi) / 1e9)
 
 
-def largest_gaps(activity: Activity) -> list[dict]:
+def largest_gaps(activity: Activity, compute: list[Interval], other: list[Interval]) -> list[dict]:
     """The last counted step's `TOP_GAPS` longest compute-stream gaps, longest first: offset into the step and
     length (s), how much of it the GPU did nothing at all (s), the compute kernels before and after, and the other
-    work that overlapped it (s per name)."""
+    work that overlapped it (s per name). `compute` and `other`: the unions of the compute stream's intervals and of
+    all other GPU work."""
     lo, hi = activity.boundaries[-2], activity.boundaries[-1]
     order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
     starts = [activity.compute[i][0] for i in order]
-    other = union(activity.other)
     out = []
-    for start, end in sorted(gaps(union(activity.compute), lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
+    for start, end in sorted(gaps(compute, lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
         after = bisect.bisect_left(starts, end)
         beside: Counter[str] = Counter()
         for (a, b), name in zip(activity.other, activity.other_names):
