@@ -105,16 +105,19 @@ class GradPump:
         return chunk * 4
 
     def put(self, item: Dispatch) -> None:
-        self.worker.put(item)
+        """Queue `item` for the copy thread; a gradient whose update runs on the GPU skips it. It stays where it
+        is, and behind the copy thread it would wait for the CPU's gradients queued ahead of it, which wait for
+        landing buffers that the CPU's updates free: the embedding's, the backward's last and the next forward's
+        first, would start only when the CPU had nearly caught up."""
+        if item.on_device:
+            self.adam.put(DeviceGrad(item.unit, item.grads, item.ready, item.plan, item.done, item.slot))
+        else:
+            self.worker.put(item)
 
     def _handle(self, item: Dispatch) -> None:
         """Send the gradient out in chunks: into landing buffers, or, as a window's first gradient, straight into
         the unit's pinned sums. A first gradient that ends its window is the unit's whole sum: when the step
-        clips, its norm is measured here, on the device. An eager step's gradient whose update runs on the GPU
-        stays where it is: the optimizer thread gets it as it is."""
-        if item.on_device:
-            self.adam.put(DeviceGrad(item.unit, item.grads, item.ready, item.plan, item.done, item.slot))
-            return
+        clips, its norm is measured here, on the device."""
         n, step = item.grads.numel(), self.ring.elems
         with self.d2h():
             self.d2h.wait(item.ready)

@@ -10,6 +10,7 @@ import lightning_slide.device_update as device_update
 import lightning_slide.engine as engine_module
 import lightning_slide.gradients as gradients
 import lightning_slide.layer_adam as layer_adam
+import lightning_slide.transfer as transfer
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
 from tests.runtime.helpers import (
     assert_same_state,
@@ -318,6 +319,30 @@ def test_the_gpus_units_queue_on_an_optimizer_thread_of_their_own(monkeypatch):
     assert stats["gpu_update_busy_s"] > 0 and stats["gpu_updated_units"] == ["block.0", "block.2"]
     # only the CPU's units wait for gradients to land on the host: the GPU's stay in their device buffers
     assert set(stats["wait_landing_by_unit_s"]) == {"embed", "block.1", "head"}
+    engine.close()
+
+
+def test_the_gpus_updates_do_not_queue_behind_the_gradients_the_copy_thread_lands(monkeypatch):
+    """A gradient the GPU updates stays in its device buffer: its update is queued as the backward completes it,
+    not behind the CPU's gradients on the copy thread, which wait there for landing buffers the CPU frees. Here the
+    copy thread lands nothing until the GPU has taken an update."""
+    gpu_took = threading.Event()
+    copy, handle = transfer.GradPump._handle, layer_adam.LayerAdam._handle
+
+    def copy_after_the_gpu(self, item):
+        if not gpu_took.wait(timeout=5):
+            raise TimeoutError("the GPU's update waited for the copy thread")
+        copy(self, item)
+
+    def take(self, item):
+        handle(self, item)
+        if isinstance(item, layer_adam.DeviceGrad):
+            gpu_took.set()
+
+    monkeypatch.setattr(transfer.GradPump, "_handle", copy_after_the_gpu)
+    monkeypatch.setattr(layer_adam.LayerAdam, "_handle", take)
+    engine = _train("fp32", StepMode(), True, monkeypatch, gpu_update_blocks=2)
+    assert engine.stats()["gpu_updated_units"] == ["block.0", "block.2"]
     engine.close()
 
 
