@@ -19,7 +19,8 @@ largest first, so two cases of one model can be told apart kernel by kernel. `ga
 the longest gaps of the last counted step, each with its offset into the step, how much of it the GPU did nothing
 at all, the compute kernels either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so
 a wait at the step boundary can be told from a wait inside the backward (a copy is named with its stream);
-`idle_by_gap_s` splits each counted step's idle time by its gaps' lengths (under 1 ms, 1-10 ms, 10 ms or more).
+`idle_by_gap_s` splits each counted step's idle time by its gaps' lengths (under 1 ms, 1-10 ms, 10 ms or more);
+`short_gaps_by_next` groups the last counted step's gaps under 1 ms by the kernel after them.
 `copies` says how PCIe was used on the same timeline: per counted step and direction, the time any copy was moving
 (the union of the copies' intervals), the bytes moved and their rate while moving, and the time both directions
 moved at once, so copies that run slowly can be told from copies that wait; `copies_by_stream` splits the last
@@ -44,6 +45,8 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP_KERNELS = 15  # kernel names kept in `kernels_s`
 TOP_GAPS = 8  # idle gaps kept in `gaps`
 TOP_BESIDE = 4  # names of the other work kept per gap
+TOP_NEXT = 8  # kernels kept in `short_gaps_by_next`
+SHORT_GAP_MS = 1.0  # gaps shorter than this are grouped by the kernel after them
 NAME_CHARS = 100
 Interval = tuple[float, float]
 COPY_NAMES = {"h2d": "HtoD", "d2h": "DtoH"}  # how the profiler names a copy up and a copy back
@@ -153,6 +156,7 @@ def idle_per_step(activity: Activity) -> dict:
     steps = len(rows["step_s"])
     return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
             "gaps": largest_gaps(activity, compute, other), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
+            "short_gaps_by_next": short_gaps_by_next(activity, compute, other),
             "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
 
 
@@ -165,6 +169,25 @@ def idle_by_gap(compute: list[Interval], boundaries: list[float]) -> dict[str, l
         for (name, below), above in zip(GAP_CLASSES_MS, [0.0] + [b for _, b in GAP_CLASSES_MS]):
             out[name].append(sum(b - a for a, b in found if above * 1e3 <= b - a < below * 1e3) / 1e6)
     return out
+
+
+def short_gaps_by_next(activity: Activity, compute: list[Interval], other: list[Interval]) -> dict[str, dict]:
+    """The last counted step's gaps under `SHORT_GAP_MS`, by the compute kernel that ends them (the `TOP_NEXT` with
+    the most idle time): how many, their idle seconds, and how much of that the GPU did nothing at all. Many short
+    waits before one kernel (a block's first, after its load) tell a transfer just too late from the host's launch
+    pace (the GPU empty)."""
+    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
+    order, starts = _by_start(activity)
+    found: dict[str, dict] = {}
+    for start, end in gaps(compute, lo, hi):
+        after = bisect.bisect_left(starts, end)
+        if end - start >= SHORT_GAP_MS * 1e3 or after >= len(order):
+            continue
+        row = found.setdefault(activity.names[order[after]], {"count": 0, "idle_s": 0.0, "empty_s": 0.0})
+        row["count"] += 1
+        row["idle_s"] += (end - start) / 1e6
+        row["empty_s"] += _empty(start, end, other) / 1e6
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]["idle_s"])[:TOP_NEXT])
 
 
 def copy_streams(activity: Activity) -> dict[str, dict[str, float]]:
@@ -208,8 +231,7 @@ def largest_gaps(activity: Activity, compute: list[Interval], other: list[Interv
     work that overlapped it (s per name). `compute` and `other`: the unions of the compute stream's intervals and of
     all other GPU work."""
     lo, hi = activity.boundaries[-2], activity.boundaries[-1]
-    order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
-    starts = [activity.compute[i][0] for i in order]
+    order, starts = _by_start(activity)
     out = []
     for start, end in sorted(gaps(compute, lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
         after = bisect.bisect_left(starts, end)
@@ -218,11 +240,22 @@ def largest_gaps(activity: Activity, compute: list[Interval], other: list[Interv
             if a < end and b > start:
                 beside[name] += (min(b, end) - max(a, start)) / 1e6
         out.append({"at_s": (start - lo) / 1e6, "idle_s": (end - start) / 1e6,
-                    "empty_s": (end - start - length(intersect([(start, end)], other))) / 1e6,
+                    "empty_s": _empty(start, end, other) / 1e6,
                     "before": activity.names[order[after - 1]] if after > 0 else None,
                     "after": activity.names[order[after]] if after < len(order) else None,
                     "beside_s": dict(beside.most_common(TOP_BESIDE))})
     return out
+
+
+def _by_start(activity: Activity) -> tuple[list[int], list[float]]:
+    """The compute kernels' indices in start order, and their starts (to find the kernels either side of a gap)."""
+    order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
+    return order, [activity.compute[i][0] for i in order]
+
+
+def _empty(start: float, end: float, other: list[Interval]) -> float:
+    """How much of [start, end) no other GPU work overlapped (`other`: a union)."""
+    return end - start - length(intersect([(start, end)], other))
 
 
 def kernel_times(activity: Activity, steps: int) -> dict[str, float]:

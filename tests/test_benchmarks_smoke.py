@@ -188,6 +188,21 @@ def test_each_steps_idle_time_is_split_by_the_length_of_its_gaps() -> None:
     assert idle_per_step(read_trace(_trace()))["idle_by_gap_s"]["under_1ms"] == pytest.approx([4e-4, 0.0])
 
 
+def test_the_last_steps_short_gaps_are_grouped_by_the_kernel_after_them() -> None:
+    """Step 3 (2000-3000 µs) idles 100 µs before each of two "load" kernels (a copy covers half of the first) and
+    50 µs before a "norm"."""
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["ts"] == 2000.0 and e["name"] == "gemm")]
+    trace["traceEvents"] += [_kernel(2000.0, 100.0), _kernel(2200.0, 100.0, name="load"),
+                             _kernel(2400.0, 100.0, name="load"), _kernel(2550.0, 50.0, name="norm"),
+                             _kernel(2600.0, 400.0), _kernel(2100.0, 50.0, stream=20, name="Memcpy HtoD",
+                                                             cat="gpu_memcpy")]
+    grouped = idle_per_step(read_trace(trace))["short_gaps_by_next"]
+    assert list(grouped) == ["load", "norm"]
+    assert grouped["load"] == {"count": 2, "idle_s": pytest.approx(2e-4), "empty_s": pytest.approx(1.5e-4)}
+    assert grouped["norm"] == {"count": 1, "idle_s": pytest.approx(5e-5), "empty_s": pytest.approx(5e-5)}
+
+
 def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
     trace = _trace()
     trace["traceEvents"].append(_kernel(2100.0, 200.0, name="norm"))
