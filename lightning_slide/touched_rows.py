@@ -12,14 +12,15 @@ and come back (`DeviceUpdater.run` then takes the touched rows only; a clipped s
 for the norm, has its touched rows gathered there as well). Every element goes through the same elementwise fused
 AdamW with the same inputs as a whole-table update: the result is the same, bit for bit.
 
-The staging is reserved after the first training step, whose own buffers then hold their host memory: for
-`MARGIN` times the rows that step touched (all its micro-batches', with accumulation), where that is at most half
-the table (beyond, the boundary's share of the update is most of it) and takes at most `RAM_SHARE` of the host RAM
-free then. Sized by what the data touches, not by the tokens: text's skew touches far fewer rows than it has
-tokens (at 65,536 tokens of Llama-3's 128,256 ids, ids drawn with a Zipf law of exponent 1 touch about 15% of the
-rows, uniform ids about 40%). A later step that touches more rows than it holds grows it on the same terms, on the
-updater's thread, which alone uses it (the step's pass has not begun, the last one's put-back is done). The first
-step, and a step whose rows the staging cannot hold even grown, update the whole table at the boundary.
+The staging is reserved after the first training step, whose own buffers then hold their host memory: for the rows
+that step touched (all its micro-batches', with accumulation) and a margin of up to a quarter more, holding at most
+half the table (beyond, the boundary's share of the update is most of it) and taking at most 1/`RAM_SHARE` of the host
+RAM free then; the margin is what those limits leave. Sized by what the data touches, not by the tokens: text's skew
+touches far fewer rows than it has tokens (at 65,536 tokens of Llama-3's 128,256 ids, ids drawn with a Zipf law of
+exponent 1 touch about 15% of the rows, uniform ids about 40%, whose margin the half then trims). A later step that
+touches more rows than it holds grows it on the same terms, on the updater's thread, which alone uses it (the step's
+pass has not begun, the last one's put-back is done). The first step, and a step whose rows the staging cannot hold
+even grown, update the whole table at the boundary.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from lightning_slide.master_halves import LOW_DTYPES, MasterHalves
 from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane, host_wait
 
-MARGIN = 1.25  # staging for 5/4 of the rows the first step touched: later steps touch a few more or fewer
-CAPACITY_SHARE = 2  # ... where that is at most 1/2 of the table's rows
-RAM_SHARE = 4  # ... and takes at most 1/4 of the host RAM free after the first step (its own buffers allocated)
+MARGIN = 1.25  # staging for up to 5/4 of the rows the first step touched: later steps touch a few more or fewer
+CAPACITY_SHARE = 2  # ... holding at most 1/2 of the table's rows
+RAM_SHARE = 4  # ... and taking at most 1/4 of the host RAM free after the first step (its own buffers allocated)
 
 
 class TouchedRows:
@@ -80,16 +81,18 @@ class TouchedRows:
         return int(rows * self.hidden * (_row_bytes(self.plane_bits) + held))
 
     def reserve(self, touched: int) -> str | None:
-        """Staging for `MARGIN` times `touched` rows, where that is at most 1/`CAPACITY_SHARE` of the table and takes
-        at most 1/`RAM_SHARE` of the free host bytes (a smaller staging it replaces counting as free). Returns None
-        once reserved, else why not (a staging reserved before then stays)."""
-        rows = math.ceil(touched * MARGIN)
-        if rows > self.vocab // CAPACITY_SHARE:
-            return (f"a step touched {touched} of its {self.vocab} rows: staging {MARGIN:g} times as many would hold "
-                    f"more than 1/{CAPACITY_SHARE} of them")
-        if self.staging_bytes(rows) * RAM_SHARE > self.free_ram() + self.staging_bytes(self.capacity):
-            return (f"staging {rows} touched rows would take {self.staging_bytes(rows) / 2**30:.2f} GiB, more than "
-                    f"1/{RAM_SHARE} of the free host RAM")
+        """Staging for `touched` rows and a margin: `MARGIN` times as many, or fewer where that would hold more than
+        1/`CAPACITY_SHARE` of the table or take more than 1/`RAM_SHARE` of the free host bytes (a smaller staging it
+        replaces counting as free). Returns None once reserved, else why not: the touched rows alone pass neither
+        limit (a staging reserved before then stays)."""
+        share = self.vocab // CAPACITY_SHARE
+        if touched > share:
+            return f"a step touched {touched} of its {self.vocab} rows, more than 1/{CAPACITY_SHARE} of them"
+        affordable = (self.free_ram() + self.staging_bytes(self.capacity)) // RAM_SHARE // self.staging_bytes(1)
+        if touched > affordable:
+            return (f"staging its {touched} touched rows would take {self.staging_bytes(touched) / 2**30:.2f} GiB, "
+                    f"more than 1/{RAM_SHARE} of the free host RAM")
+        rows = min(math.ceil(touched * MARGIN), share, affordable)
         self._release_staging()
         self.capacity = rows
         n = rows * self.hidden

@@ -170,6 +170,17 @@ def test_the_staging_holds_a_margin_over_the_rows_the_first_step_touched(monkeyp
     engine.close()
 
 
+@pytest.mark.parametrize(("free_rows", "touched", "capacity"), [(1000, 45, 50), (48, 45, 48), (1000, 51, None),
+                                                                 (48, 49, None)],
+                         ids=["half-trims", "ram-trims", "beyond-half", "beyond-ram"])
+def test_the_limits_trim_the_staging_margin_but_refuse_only_touched_rows_beyond_them(free_rows, touched, capacity):
+    """100 rows of 16 fp32 elements (192 staged bytes each): the staging holds at most 50 rows and 1/4 of the free
+    host RAM (here the bytes of `free_rows` rows), and 5/4 of the rows touched where those allow."""
+    rows = TouchedRows(0, 100, 16, torch.device("cpu"), None, lambda: 4 * free_rows * 192)
+    refused = rows.reserve(touched)
+    assert (refused is None) == (capacity is not None) and rows.capacity == (capacity or 0)
+
+
 @pytest.mark.parametrize(("arch", "mode"), [("qwen2-tied", StepMode()), ("llama", StepMode(accumulates=True)),
                                             ("llama", StepMode(accumulates=True, manual=True))],
                          ids=["tied", "accumulated", "manual"])
