@@ -20,7 +20,10 @@ the longest gaps of the last counted step, each with its offset into the step, h
 at all, the compute kernels either side of it and what else the GPU ran meanwhile (by name, seconds of overlap), so
 a wait at the step boundary can be told from a wait inside the backward (a copy is named with its stream);
 `idle_by_gap_s` splits each counted step's idle time by its gaps' lengths (under 1 ms, 1-10 ms, 10 ms or more);
-`short_gaps_by_next` groups the last counted step's gaps under 1 ms by the kernel after them.
+`short_gaps_by_next` groups the last counted step's gaps under 1 ms by the kernel after them. `idle_beside_kernels_s`
+is the part of each step's idle time during which another stream ran a kernel, and `side_kernels_in_idle_s` names
+those kernels in the last counted step: an updater's, or a model's own compute on a second stream (the fused loss's
+gradient GEMMs), which the compute stream waits for without the GPU being idle.
 `copies` says how PCIe was used on the same timeline: per counted step and direction, the time any copy was moving
 (the union of the copies' intervals), the bytes moved and their rate while moving, and the time both directions
 moved at once, so copies that run slowly can be told from copies that wait; `copies_by_stream` splits the last
@@ -100,6 +103,8 @@ class Activity:
     boundaries: list[float]
     names: list[str]  # the compute kernels' names, in the order of `compute`
     other_names: list[str]  # the other work's names, in the order of `other`
+    side: list[Interval]  # the kernels of the other streams (a part of `other`)
+    side_names: list[str]  # their names, in the order of `side`
     copies: dict[str, list[tuple[Interval, float, object]]]  # "h2d" / "d2h" -> (interval, bytes, stream) of each
 
 
@@ -113,6 +118,7 @@ def read_trace(trace: dict) -> Activity:
     on_compute = [e for e in events if e["cat"] == "kernel" and _stream(e) == stream]
     kernels = [e for e in on_compute if MARKER not in e.get("name", "")]
     others = [e for e in events if not (e["cat"] == "kernel" and _stream(e) == stream)]
+    side = [e for e in others if e["cat"] == "kernel"]
     return Activity(
         stream=stream,
         compute=[_interval(e) for e in kernels],
@@ -120,6 +126,8 @@ def read_trace(trace: dict) -> Activity:
         boundaries=sorted(_interval(e)[0] for e in on_compute if MARKER in e.get("name", "")),
         names=[e.get("name", "?")[:NAME_CHARS] for e in kernels],
         other_names=[_other_name(e) for e in others],
+        side=[_interval(e) for e in side],
+        side_names=[e.get("name", "?")[:NAME_CHARS] for e in side],
         copies={way: [(_interval(e), float((e.get("args") or {}).get("bytes", 0)), _stream(e)) for e in events
                       if e["cat"] == "gpu_memcpy" and tag in e.get("name", "")]
                 for way, tag in COPY_NAMES.items()},
@@ -144,19 +152,21 @@ def _interval(event: dict) -> Interval:
 
 def idle_per_step(activity: Activity) -> dict:
     """Seconds per profiled step (the lead-in step, before the second marker, left out)."""
-    compute, other = union(activity.compute), union(activity.other)
+    compute, other, side = union(activity.compute), union(activity.other), union(activity.side)
     rows: dict[str, list[float]] = {"step_s": [], "busy_s": [], "idle_s": [], "idle_copying_s": [],
-                                    "idle_empty_s": []}
+                                    "idle_empty_s": [], "idle_beside_kernels_s": []}
     for lo, hi in zip(activity.boundaries[1:], activity.boundaries[2:]):
         idle = gaps(compute, lo, hi)
         copying = length(intersect(idle, other))
         for key, value in (("step_s", hi - lo), ("busy_s", hi - lo - length(idle)), ("idle_s", length(idle)),
-                           ("idle_copying_s", copying), ("idle_empty_s", length(idle) - copying)):
+                           ("idle_copying_s", copying), ("idle_empty_s", length(idle) - copying),
+                           ("idle_beside_kernels_s", length(intersect(idle, side)))):
             rows[key].append(value / 1e6)
     steps = len(rows["step_s"])
     return {**rows, "stream": activity.stream, "steps": steps, "kernels_s": kernel_times(activity, steps),
             "gaps": largest_gaps(activity, compute, other), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
             "short_gaps_by_next": short_gaps_by_next(activity, compute, other),
+            "side_kernels_in_idle_s": side_kernels_in_idle(activity, compute),
             "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
 
 
@@ -188,6 +198,22 @@ def short_gaps_by_next(activity: Activity, compute: list[Interval], other: list[
         row["idle_s"] += (end - start) / 1e6
         row["empty_s"] += _empty(start, end, other) / 1e6
     return dict(sorted(found.items(), key=lambda kv: -kv[1]["idle_s"])[:TOP_NEXT])
+
+
+def side_kernels_in_idle(activity: Activity, compute: list[Interval]) -> dict[str, float]:
+    """The last counted step's idle seconds during which each kernel of another stream ran (the `TOP_NEXT` names
+    with the most): an updater's own kernels, or a model's compute on a stream of its own (a loss whose gradient
+    GEMMs overlap on a second stream), which leaves the compute stream waiting without leaving the GPU idle."""
+    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
+    idle = gaps(compute, lo, hi)
+    ends = [b for _, b in idle]
+    found: Counter[str] = Counter()
+    for (a, b), name in zip(activity.side, activity.side_names):
+        k = bisect.bisect_right(ends, a)  # the first gap ending after the kernel starts
+        while k < len(idle) and idle[k][0] < b:
+            found[name] += (min(b, idle[k][1]) - max(a, idle[k][0])) / 1e6
+            k += 1
+    return {name: seconds for name, seconds in found.most_common(TOP_NEXT) if seconds > 0}
 
 
 def copy_streams(activity: Activity) -> dict[str, dict[str, float]]:

@@ -40,7 +40,8 @@ HINTS = {
 EXPOSED_MEANING = (
     "compute-stream idle per step, from a CUDA profile of steps after the timed window: the profiled step "
     "minus the union of the kernels on the stream the model computes on (benchmarks/gpu_idle.py); "
-    "idle_copying: while copies or side-stream kernels ran, idle_empty: while the GPU did nothing")
+    "idle_copying: while copies or side-stream kernels ran (idle_beside_kernels: side-stream kernels, a part of "
+    "it), idle_empty: while the GPU did nothing")
 
 
 def base_record(case: Case) -> dict:
@@ -178,6 +179,7 @@ def exposed(gpu_idle: dict | None) -> dict | None:
 
     return {"total": mean("idle_s"), "share": sum(gpu_idle["idle_s"]) / sum(gpu_idle["step_s"]),
             "idle_copying": mean("idle_copying_s"), "idle_empty": mean("idle_empty_s"),
+            "idle_beside_kernels": mean("idle_beside_kernels_s") if "idle_beside_kernels_s" in gpu_idle else None,
             "compute_busy": mean("busy_s"), "profiled_step": mean("step_s"), "steps": gpu_idle["steps"],
             "meaning": EXPOSED_MEANING}
 

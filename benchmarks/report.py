@@ -93,8 +93,10 @@ def _worst_exposed(ok: dict[str, dict]) -> tuple[float, str] | None:
         return None
     share, record = max(shares, key=lambda item: item[0])
     idle = record["exposed_s"]
+    beside = idle.get("idle_beside_kernels")
+    kernels = "" if beside is None else f" ({beside:.3f} s of it beside other streams' kernels)"
     return share, (f"{record.get('binding') or '-'} ({record['case']}; idle {idle['idle_copying']:.3f} s "
-                   f"while copying, {idle['idle_empty']:.3f} s with the GPU empty)")
+                   f"while copying{kernels}, {idle['idle_empty']:.3f} s with the GPU empty)")
 
 
 #: what leaves the compute stream idle at large steps, whatever bound binds the step as a whole

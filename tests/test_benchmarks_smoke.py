@@ -203,6 +203,20 @@ def test_the_last_steps_short_gaps_are_grouped_by_the_kernel_after_them() -> Non
     assert grouped["norm"] == {"count": 1, "idle_s": pytest.approx(5e-5), "empty_s": pytest.approx(5e-5)}
 
 
+def test_idle_time_beside_another_streams_kernels_is_told_apart_and_named() -> None:
+    """Step 3 idles 2300-2500 µs on the compute stream: a GEMM on a second stream runs 2350-2450 of it, and a copy
+    2450-2480; step 2's idle time has only a copy beside it."""
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["ts"] == 2000.0 and e["name"] == "gemm")]
+    trace["traceEvents"] += [_kernel(2000.0, 300.0), _kernel(2500.0, 500.0),
+                             _kernel(2350.0, 100.0, stream=30, name="grad_x gemm"),
+                             _kernel(2450.0, 30.0, stream=20, name="Memcpy HtoD", cat="gpu_memcpy")]
+    idle = idle_per_step(read_trace(trace))
+    assert idle["idle_beside_kernels_s"] == pytest.approx([0.0, 1e-4])
+    assert idle["idle_copying_s"] == pytest.approx([1e-4, 1.3e-4])
+    assert idle["side_kernels_in_idle_s"] == {"grad_x gemm": pytest.approx(1e-4)}
+
+
 def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
     trace = _trace()
     trace["traceEvents"].append(_kernel(2100.0, 200.0, name="norm"))
@@ -278,6 +292,7 @@ def test_bounds_idle_time_and_targets_come_from_the_run() -> None:
     assert rows["expose"]["value"] == pytest.approx(0.2, abs=1e-3) and rows["expose"]["met"] is False
     assert rows["expose"]["hint"].startswith("the step boundary") and rows["8B at "]["hint"].startswith("fewer host")
     assert "slots-auto" in rows["expose"]["binding"]
+    assert "(0.000 s of it beside other streams' kernels)" in rows["expose"]["binding"]
 
 
 def test_report_writes_summary_plots_ladders_and_per_case_json(tmp_path) -> None:
