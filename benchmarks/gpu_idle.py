@@ -37,6 +37,7 @@ import bisect
 import json
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,7 @@ TOP_KERNELS = 15  # kernel names kept in `kernels_s`
 TOP_GAPS = 8  # idle gaps kept in `gaps`
 TOP_BESIDE = 4  # names of the other work kept per gap
 TOP_NEXT = 8  # kernels kept in `short_gaps_by_next`
-SHORT_GAP_MS = 1.0  # gaps shorter than this are grouped by the kernel after them
+SHORT_GAP_MS = 1.0  # gaps shorter than this are grouped by the kernel after them (`idle_by_gap_s`'s first class)
 NAME_CHARS = 100
 Interval = tuple[float, float]
 COPY_NAMES = {"h2d": "HtoD", "d2h": "DtoH"}  # how the profiler names a copy up and a copy back
@@ -188,6 +189,7 @@ def short_gaps_by_next(activity: Activity, compute: list[Interval], other: list[
     pace (the GPU empty)."""
     lo, hi = activity.boundaries[-2], activity.boundaries[-1]
     order, starts = _by_start(activity)
+    busy_elsewhere = _coverage(other)
     found: dict[str, dict] = {}
     for start, end in gaps(compute, lo, hi):
         after = bisect.bisect_left(starts, end)
@@ -196,7 +198,7 @@ def short_gaps_by_next(activity: Activity, compute: list[Interval], other: list[
         row = found.setdefault(activity.names[order[after]], {"count": 0, "idle_s": 0.0, "empty_s": 0.0})
         row["count"] += 1
         row["idle_s"] += (end - start) / 1e6
-        row["empty_s"] += _empty(start, end, other) / 1e6
+        row["empty_s"] += (end - start - busy_elsewhere(start, end)) / 1e6
     return dict(sorted(found.items(), key=lambda kv: -kv[1]["idle_s"])[:TOP_NEXT])
 
 
@@ -205,14 +207,10 @@ def side_kernels_in_idle(activity: Activity, compute: list[Interval]) -> dict[st
     with the most): an updater's own kernels, or a model's compute on a stream of its own (a loss whose gradient
     GEMMs overlap on a second stream), which leaves the compute stream waiting without leaving the GPU idle."""
     lo, hi = activity.boundaries[-2], activity.boundaries[-1]
-    idle = gaps(compute, lo, hi)
-    ends = [b for _, b in idle]
+    idle = _coverage(gaps(compute, lo, hi))
     found: Counter[str] = Counter()
     for (a, b), name in zip(activity.side, activity.side_names):
-        k = bisect.bisect_right(ends, a)  # the first gap ending after the kernel starts
-        while k < len(idle) and idle[k][0] < b:
-            found[name] += (min(b, idle[k][1]) - max(a, idle[k][0])) / 1e6
-            k += 1
+        found[name] += idle(a, b) / 1e6
     return {name: seconds for name, seconds in found.most_common(TOP_NEXT) if seconds > 0}
 
 
@@ -258,6 +256,7 @@ def largest_gaps(activity: Activity, compute: list[Interval], other: list[Interv
     all other GPU work."""
     lo, hi = activity.boundaries[-2], activity.boundaries[-1]
     order, starts = _by_start(activity)
+    busy_elsewhere = _coverage(other)
     out = []
     for start, end in sorted(gaps(compute, lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
         after = bisect.bisect_left(starts, end)
@@ -266,7 +265,7 @@ def largest_gaps(activity: Activity, compute: list[Interval], other: list[Interv
             if a < end and b > start:
                 beside[name] += (min(b, end) - max(a, start)) / 1e6
         out.append({"at_s": (start - lo) / 1e6, "idle_s": (end - start) / 1e6,
-                    "empty_s": _empty(start, end, other) / 1e6,
+                    "empty_s": (end - start - busy_elsewhere(start, end)) / 1e6,
                     "before": activity.names[order[after - 1]] if after > 0 else None,
                     "after": activity.names[order[after]] if after < len(order) else None,
                     "beside_s": dict(beside.most_common(TOP_BESIDE))})
@@ -279,9 +278,19 @@ def _by_start(activity: Activity) -> tuple[list[int], list[float]]:
     return order, [activity.compute[i][0] for i in order]
 
 
-def _empty(start: float, end: float, other: list[Interval]) -> float:
-    """How much of [start, end) no other GPU work overlapped (`other`: a union)."""
-    return end - start - length(intersect([(start, end)], other))
+def _coverage(intervals: list[Interval]) -> Callable[[float, float], float]:
+    """How much of a span [start, end) the sorted, disjoint `intervals` cover: found by bisection, so that thousands
+    of gaps can each be measured against a step's thousands of intervals."""
+    ends = [b for _, b in intervals]
+
+    def covered(start: float, end: float) -> float:
+        total, k = 0.0, bisect.bisect_right(ends, start)  # the first interval ending after `start`
+        while k < len(intervals) and intervals[k][0] < end:
+            total += min(end, intervals[k][1]) - max(start, intervals[k][0])
+            k += 1
+        return total
+
+    return covered
 
 
 def kernel_times(activity: Activity, steps: int) -> dict[str, float]:
