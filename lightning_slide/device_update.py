@@ -278,6 +278,16 @@ def _finish_s(gpu: int, cpu: int, rates: UpdateRates, link_bytes: float) -> floa
     return max(cpu / rates.cpu_elems_s, link)
 
 
+def rates_note(device: torch.device) -> str:
+    """The `measured_rates` a split is fitted at, for the run's notes: read beside the engine's per-unit update
+    times, they show where the step's own rates differ from them."""
+    rates = measured_rates(device)
+    if rates is None:
+        return "no rates measured"
+    return (f"measured as the run started: fused CPU AdamW {rates.cpu_elems_s / 1e9:.2f} G elements/s beside copies, "
+            f"copies both ways {rates.link_bytes_s / 1e9:.0f} GB/s, bf16 matmul {rates.gpu_flops_s / 1e12:.0f} TFLOP/s")
+
+
 def measured_rates(device: torch.device) -> UpdateRates | None:
     """This machine's `UpdateRates` for a CUDA `device` (measured once per process and device), None elsewhere."""
     if device.type != "cuda" or not torch.cuda.is_available():

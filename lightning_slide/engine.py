@@ -40,6 +40,7 @@ from lightning_slide.device_update import (
     gpu_updated_units,
     gpu_updates_on,
     hidden_update_s,
+    rates_note,
     updates_keep_pace,
 )
 from lightning_slide.gradients import GradRouter
@@ -547,7 +548,8 @@ class SlideEngine:
         self._leave_gpu_updates(updater.units.difference(
             fitted_units(updater.units, self._dedicated, trainable, updater.device, link, hidden)))
         self.notes.append(f"fp32 updates on the GPU for micro-batches of {tokens} tokens: {len(updater.units)} of the "
-                          f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates)")
+                          f"{before} units 'auto' gave it (about {hidden:.2f} s of compute hides updates; "
+                          f"{rates_note(updater.device)})")
         if not self.deferred and updates_keep_pace(updater.units, trainable, updater.device, link, hidden):
             self.grads.hold_back(set())
             self.notes.append("the updates keep pace with the backward: each goes as its gradient comes, the lowest "
