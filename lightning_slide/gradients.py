@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_slide.activations import Saved
-from lightning_slide.layer_adam import LayerAdam, StepPlan
+from lightning_slide.layer_adam import DeviceGrad, LayerAdam, StepPlan
 from lightning_slide.moments import Moments
 from lightning_slide.parts import Binding, Part
 from lightning_slide.step_mode import StepMode
@@ -40,7 +40,7 @@ class Bookkeeping:
     last_call: weakref.ref | None = None  # the forward's latest call: a backward prefetches the one before it
     written: set[int] = field(default_factory=set)  # params whose gradient this backward has written
     receiving: dict[int, GradBuffer] = field(default_factory=dict)  # unit -> the GPU buffer its gradient fills
-    held: list[Dispatch] = field(default_factory=list)  # complete gradients waiting for the backward's last
+    held: list[Dispatch | DeviceGrad] = field(default_factory=list)  # complete gradients held for the backward's last
     spare: dict[int, torch.Tensor] = field(default_factory=dict)  # unit -> a host buffer its backward freed
     # the step: what the optimizer step will read
     plan: StepPlan | None = None  # this step's hyperparameters, once the step is known
@@ -156,14 +156,14 @@ class GradRouter:
         buffer = book.receiving.pop(unit)
         buffer.idle.clear()
         book.written.difference_update(id(p) for p in storage.params)
-        on_device = update and not holds and self.adam.updates_on_device(unit)  # the gradient stays on the GPU
-        dispatch = Dispatch(unit, buffer.grads[: storage.trainable_numel], self.compute.record(), book.plan,
-                            holds, update, buffer.release, first, sums, on_device,
-                            self.window.claim(unit) if on_device else None)
+        grads, ready = buffer.grads[: storage.trainable_numel], self.compute.record()
+        item = (DeviceGrad(unit, grads, ready, book.plan, buffer.release, self.window.claim(unit))
+                if update and not holds and self.adam.updates_on_device(unit)  # the gradient stays on the GPU
+                else Dispatch(unit, grads, ready, book.plan, holds, update, buffer.release, first, sums))
         if unit in self.held_back:
-            book.held.append(dispatch)
+            book.held.append(item)
         else:
-            self.pump.put(dispatch)
+            self._send(item)
         if not book.in_backward:  # the backward's last gradient
             self._check_planned_reads()
             self.release_held()
@@ -237,9 +237,19 @@ class GradRouter:
 
     def release_held(self) -> None:
         """Hand the held-back gradients over, lowest unit first (the order the next forward loads them)."""
-        for dispatch in sorted(self.book.held, key=lambda d: d.unit):
-            self.pump.put(dispatch)
+        for item in sorted(self.book.held, key=lambda d: d.unit):
+            self._send(item)
         self.book.held.clear()
+
+    def _send(self, item: Dispatch | DeviceGrad) -> None:
+        """A gradient the GPU updates goes to its optimizer thread at once; the others to the copy thread. Behind
+        the copy thread it would wait for the CPU's gradients queued ahead of it, which wait for landing buffers the
+        CPU's updates free: the embedding's, the backward's last and the next forward's first, would start only
+        when the CPU had nearly caught up."""
+        if isinstance(item, DeviceGrad):
+            self.adam.put(item)
+        else:
+            self.pump.put(item)
 
     def abandon(self) -> None:
         """Forget a forward that no backward will follow; complete gradients of it still go to the optimizer."""

@@ -15,8 +15,7 @@ from functools import partial
 
 import torch
 
-from lightning_slide.device_update import SlotWrite
-from lightning_slide.layer_adam import DeviceGrad, GradChunk, LayerAdam, StepPlan
+from lightning_slide.layer_adam import GradChunk, LayerAdam, StepPlan
 from lightning_slide.pinned import host_empty, pin_, unpin_
 from lightning_slide.streams import Lane
 from lightning_slide.threads import Failure, Worker
@@ -77,8 +76,6 @@ class Dispatch:
     done: object  # callable(event): the slot's gradient buffer may be reused after `event`
     first: bool = False  # the window's first gradient of the unit: it replaces the sums
     sums: torch.Tensor | None = None  # the unit's fp32 sums, when a first gradient can land there directly
-    on_device: bool = False  # an eager update on the GPU: the gradient goes to it as it is
-    slot: SlotWrite | None = None  # the unit's weight slot, for that update's new weights
 
 
 class GradPump:
@@ -105,14 +102,7 @@ class GradPump:
         return chunk * 4
 
     def put(self, item: Dispatch) -> None:
-        """Queue `item` for the copy thread; a gradient whose update runs on the GPU skips it. It stays where it
-        is, and behind the copy thread it would wait for the CPU's gradients queued ahead of it, which wait for
-        landing buffers that the CPU's updates free: the embedding's, the backward's last and the next forward's
-        first, would start only when the CPU had nearly caught up."""
-        if item.on_device:
-            self.adam.put(DeviceGrad(item.unit, item.grads, item.ready, item.plan, item.done, item.slot))
-        else:
-            self.worker.put(item)
+        self.worker.put(item)
 
     def _handle(self, item: Dispatch) -> None:
         """Send the gradient out in chunks: into landing buffers, or, as a window's first gradient, straight into
