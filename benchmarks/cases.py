@@ -37,7 +37,7 @@ class Case:
     build, setup, steps; benchmarks.estimate): under `--budget-s` the runner skips a case when less than
     that is left, and it kills a case that overruns its estimate several times over.
     profile_steps run after the timed window under the CUDA profiler (benchmarks.gpu_idle): one that
-    leads in, the others measure the compute stream's idle time. known_failure says how the case fails
+    leads in, the others measure the model's compute idle time. known_failure says how the case fails
     on an H200 machine (16 cores, 126 GiB RAM); it is recorded as skipped unless asked for. clip is the
     Trainer's gradient_clip_val (train.py's default is 1.0): lightning-slide then updates only after the
     backward, once the global norm is known.

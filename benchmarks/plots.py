@@ -44,7 +44,7 @@ def plot_bounds(records: list[dict], path: Path) -> None:
         "GPU compute bound": lambda r: r["bounds_s"].get("gpu_compute"),
         "PCIe bound": lambda r: r["bounds_s"].get("pcie"),
         "CPU-Adam bound": lambda r: r["bounds_s"].get("cpu_update"),
-        "compute-stream idle (profiled)": lambda r: (r.get("exposed_s") or {}).get("total"),
+        "model's compute idle (profiled)": lambda r: (r.get("exposed_s") or {}).get("total"),
     }
     fig, ax = plt.subplots(figsize=(10, 0.9 * len(ran) + 1.5))
     height = 0.8 / len(series)

@@ -38,10 +38,12 @@ HINTS = {
                   "optimizer thread is not busy most of the step (docs/alternatives.md lists what lost)",
 }
 EXPOSED_MEANING = (
-    "compute-stream idle per step, from a CUDA profile of steps after the timed window: the profiled step "
-    "minus the union of the kernels on the stream the model computes on (benchmarks/gpu_idle.py); "
-    "idle_copying: while copies or side-stream kernels ran (idle_beside_kernels: side-stream kernels, a part of "
-    "it), idle_empty: while the GPU did nothing")
+    "idle time of the model's compute per step, from a CUDA profile of steps after the timed window: the profiled "
+    "step minus the union of the model's kernels, those of the stream it computes on and of any other stream that "
+    "ran a matrix product (the fused loss's grad_x GEMMs; benchmarks/gpu_idle.py); idle_copying: while copies or "
+    "other streams' kernels ran (idle_beside_kernels: those kernels, a part of it), idle_empty: while the GPU did "
+    "nothing; compute_stream_idle: the compute stream's own idle time, its waits for the loss's second stream "
+    "included")
 
 
 def base_record(case: Case) -> dict:
@@ -167,7 +169,7 @@ def _engine_value(record: dict, key: str, default: object) -> object:
 
 
 def exposed(gpu_idle: dict | None) -> dict | None:
-    """Mean seconds per profiled step of compute-stream idle time (EXPOSED_MEANING), and its share of the
+    """Mean seconds per profiled step of the model's idle time (EXPOSED_MEANING), and its share of the
     profiled step; None when nothing was profiled (CPU runs), the profile's error when it failed."""
     if not gpu_idle:
         return None
@@ -180,6 +182,7 @@ def exposed(gpu_idle: dict | None) -> dict | None:
     return {"total": mean("idle_s"), "share": sum(gpu_idle["idle_s"]) / sum(gpu_idle["step_s"]),
             "idle_copying": mean("idle_copying_s"), "idle_empty": mean("idle_empty_s"),
             "idle_beside_kernels": mean("idle_beside_kernels_s") if "idle_beside_kernels_s" in gpu_idle else None,
+            "compute_stream_idle": mean("idle_compute_stream_s") if "idle_compute_stream_s" in gpu_idle else None,
             "compute_busy": mean("busy_s"), "profiled_step": mean("step_s"), "steps": gpu_idle["steps"],
             "meaning": EXPOSED_MEANING}
 

@@ -85,7 +85,7 @@ def _over_cpu_bound(name: str) -> Callable[[dict[str, dict]], tuple[float, str] 
 
 
 def _worst_exposed(ok: dict[str, dict]) -> tuple[float, str] | None:
-    """The largest compute-stream idle share of the profiled step among slide cases at >= 32k tokens."""
+    """The largest idle share of the model's compute in the profiled step among slide cases at >= 32k tokens."""
     shares = [(record["exposed_s"]["share"], record) for record in ok.values()
               if record["system_key"] == "slide" and record["tokens_per_step"] >= 32768
               and (record.get("exposed_s") or {}).get("share") is not None]
@@ -93,13 +93,14 @@ def _worst_exposed(ok: dict[str, dict]) -> tuple[float, str] | None:
         return None
     share, record = max(shares, key=lambda item: item[0])
     idle = record["exposed_s"]
-    beside = idle.get("idle_beside_kernels")
+    beside, own = idle.get("idle_beside_kernels"), idle.get("compute_stream_idle")
     kernels = "" if beside is None else f" ({beside:.3f} s of it beside other streams' kernels)"
+    alone = "" if own is None else f"; the compute stream alone idled {own:.3f} s"
     return share, (f"{record.get('binding') or '-'} ({record['case']}; idle {idle['idle_copying']:.3f} s "
-                   f"while copying{kernels}, {idle['idle_empty']:.3f} s with the GPU empty)")
+                   f"while copying{kernels}, {idle['idle_empty']:.3f} s with the GPU empty{alone})")
 
 
-#: what leaves the compute stream idle at large steps, whatever bound binds the step as a whole
+#: what leaves the model's compute idle at large steps, whatever bound binds the step as a whole
 BOUNDARY_HINT = ("the step boundary: the next forward's first units (embedding, first blocks) wait for updates "
                  "that start only when the backward ends; the table of waits per unit says which")
 
@@ -113,7 +114,7 @@ TARGETS = [
      _ratio("llama3_3b-mb8-cap24-slide-cpu", "llama3_3b-mb8-cap24-ds3"), 5.0, True, None),
     ("8B at 8k tok/step: step time / CPU-Adam bound",
      _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu"), 1.2, False, None),
-    ("exposed transfer + update (compute-stream idle) / step at >= 32k tok/step, worst slide case",
+    ("exposed transfer + update (the model's compute idle) / step at >= 32k tok/step, worst slide case",
      _worst_exposed, 0.03, False, BOUNDARY_HINT),
     ("8-bit moments, 8B at 8k tok/step: step time / the fp32 CPU-Adam bound",
      _over_cpu_bound("llama3_8b-mb8-cap24-slide-cpu-int8-moments"), 0.7, False, None),
@@ -162,7 +163,7 @@ def targets_md(records: list[dict]) -> str:
 
 def cases_md(records: list[dict]) -> str:
     """Every timed case that ran: throughput, memory, the three bounds next to the measured step, and the
-    compute stream's idle time per profiled step (seconds and share of that step)."""
+    model's compute idle time per profiled step (seconds and share of that step)."""
     rows = []
     for r in records:
         if not r["ok"] or r["system_key"] == "probe" or r.get("ladder"):

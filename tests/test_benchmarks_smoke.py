@@ -1,4 +1,4 @@
-"""The benchmark harness on the CPU: case table, derived bounds and ratios, the compute-stream idle
+"""The benchmark harness on the CPU: case table, derived bounds and ratios, the model's compute idle
 analysis, ladders, report files, tiny cases."""
 
 from __future__ import annotations
@@ -203,18 +203,34 @@ def test_the_last_steps_short_gaps_are_grouped_by_the_kernel_after_them() -> Non
     assert grouped["norm"] == {"count": 1, "idle_s": pytest.approx(5e-5), "empty_s": pytest.approx(5e-5)}
 
 
-def test_idle_time_beside_another_streams_kernels_is_told_apart_and_named() -> None:
-    """Step 3 idles 2300-2500 µs on the compute stream: a GEMM on a second stream runs 2350-2450 of it, and a copy
-    2450-2480; step 2's idle time has only a copy beside it."""
+def _idle_in_step_3(beside: dict) -> dict:
+    """The trace with step 3 (2000-3000 µs) idle from 2300 to 2500 on the compute stream, `beside` a kernel there."""
     trace = _trace()
     trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["ts"] == 2000.0 and e["name"] == "gemm")]
-    trace["traceEvents"] += [_kernel(2000.0, 300.0), _kernel(2500.0, 500.0),
-                             _kernel(2350.0, 100.0, stream=30, name="grad_x gemm"),
+    trace["traceEvents"] += [_kernel(2000.0, 300.0), _kernel(2500.0, 500.0), beside,
                              _kernel(2450.0, 30.0, stream=20, name="Memcpy HtoD", cat="gpu_memcpy")]
-    idle = idle_per_step(read_trace(trace))
+    return idle_per_step(read_trace(trace))
+
+
+def test_idle_time_beside_another_streams_kernels_is_told_apart_and_named() -> None:
+    """Step 3 idles 2300-2500 µs: an updater's kernel on a second stream runs 2350-2450 of it, and a copy
+    2450-2480; step 2's idle time has only a copy beside it."""
+    idle = _idle_in_step_3(_kernel(2350.0, 100.0, stream=30, name="fused_adamw"))
+    assert idle["idle_s"] == pytest.approx([4e-4, 2e-4])
     assert idle["idle_beside_kernels_s"] == pytest.approx([0.0, 1e-4])
     assert idle["idle_copying_s"] == pytest.approx([1e-4, 1.3e-4])
-    assert idle["side_kernels_in_idle_s"] == {"grad_x gemm": pytest.approx(1e-4)}
+    assert idle["side_kernels_in_idle_s"] == {"fused_adamw": pytest.approx(1e-4)}
+
+
+def test_a_matrix_product_on_a_second_stream_is_the_models_compute() -> None:
+    """The fused loss's grad_x GEMM runs 2350-2450 of step 3's compute-stream gap on a stream of its own: the model
+    idles only the 100 µs around it; the compute stream's own idle time keeps the whole gap."""
+    idle = _idle_in_step_3(_kernel(2350.0, 100.0, stream=30, name="nvjet_sm90_tst_256x128_64x4_1x2_h_bz_splitK_NNT"))
+    assert idle["streams"] == [7, 30]
+    assert idle["idle_s"] == pytest.approx([4e-4, 1e-4])
+    assert idle["idle_compute_stream_s"] == pytest.approx([4e-4, 2e-4])
+    assert idle["idle_beside_kernels_s"] == pytest.approx([0.0, 0.0]) and idle["side_kernels_in_idle_s"] == {}
+    assert idle["kernels_s"]["nvjet_sm90_tst_256x128_64x4_1x2_h_bz_splitK_NNT"] == pytest.approx(1e-4 / 2)
 
 
 def test_compute_kernel_time_is_summed_by_name_per_counted_step() -> None:
