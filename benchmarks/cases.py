@@ -90,7 +90,7 @@ class Case:
 
 #: how non-default slide settings show in case names (offload shows as the tier, nvme_path not at all)
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "recompute": "recompute-{}",
-              "block_grad_buffers": "gradbufs-{}", "chunk_elems": "chunk-{}",
+              "block_grad_buffers": "gradbufs-{}", "grad_buffers": "landing-{}", "chunk_elems": "chunk-{}",
               "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}",
               "gpu_update_blocks": "gpuadam-{}", "moment_precision": "{}-moments", "master_bits": "master{}"}
 
@@ -352,9 +352,10 @@ SUITES: dict[str, list[Case]] = {
     # the embedding's untouched rows updated ahead of its gradient (`touched_rows`), at 8B 8x1024 and 64x1024, over
     # uniform token ids and over ids with text's skew (a Zipf law of exponent 1: far fewer rows touched)
     "touched_rows": [make("slide", "llama3_8b", mb, zipf=zipf) for mb in (8, 64) for zipf in (None, 1.0)],
-    # 8x1024, where the backward waits for free gradient buffers: the default 3 against 6, at 3B and 8B
+    # 8x1024, where the backward waits for free gradient buffers: the default 3 GPU buffers against 6, and 40 pinned
+    # landing buffers (5 GiB) against 3, room for the backward's gradients to land ahead of the CPU, at 3B and 8B
     "grad_buffers": [make("slide", model, 8, slide_settings=settings) for model in ("llama3_3b", "llama3_8b")
-                     for settings in ((), (("block_grad_buffers", 6),))],
+                     for settings in ((), (("block_grad_buffers", 6),), (("grad_buffers", 40),))],
     # 8-bit Adam moments, updated on the GPU, against the fp32 CPU-AdamW bound of the probe, beside fp32 moments,
     # and with 24-bit masters (`master_bits`)
     "compact_moments": [_probe()] + [make("slide", "llama3_8b", 8, slide_settings=settings)
