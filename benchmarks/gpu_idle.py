@@ -180,13 +180,33 @@ def idle_per_step(activity: Activity) -> dict:
                            ("idle_beside_kernels_s", length(intersect(idle, side))),
                            ("idle_compute_stream_s", length(gaps(own, lo, hi)))):
             rows[key].append(value / 1e6)
-    steps = len(rows["step_s"])
+    steps, last = len(rows["step_s"]), LastStep.of(activity, compute, other)
     return {**rows, "stream": activity.stream, "streams": activity.streams, "steps": steps,
             "kernels_s": kernel_times(activity, steps),
-            "gaps": largest_gaps(activity, compute, other), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
-            "short_gaps_by_next": short_gaps_by_next(activity, compute, other),
-            "side_kernels_in_idle_s": side_kernels_in_idle(activity, compute),
+            "gaps": largest_gaps(activity, last), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
+            "short_gaps_by_next": short_gaps_by_next(activity, last),
+            "side_kernels_in_idle_s": side_kernels_in_idle(activity, last),
             "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
+
+
+@dataclass
+class LastStep:
+    """The last counted step's gaps in the model's compute, found once for the analyses that look into them: the
+    step's start, the gaps, the model's kernels in start order (their indices and starts, to find the kernels
+    either side of a gap), and how much of a span the other GPU work covers."""
+
+    lo: float
+    idle: list[Interval]
+    order: list[int]
+    starts: list[float]
+    busy_elsewhere: Callable[[float, float], float]
+
+    @classmethod
+    def of(cls, activity: Activity, compute: list[Interval], other: list[Interval]) -> LastStep:
+        """`compute` and `other`: the unions of the model's kernel intervals and of all other GPU work."""
+        lo, hi = activity.boundaries[-2], activity.boundaries[-1]
+        order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
+        return cls(lo, gaps(compute, lo, hi), order, [activity.compute[i][0] for i in order], _coverage(other))
 
 
 def idle_by_gap(compute: list[Interval], boundaries: list[float]) -> dict[str, list[float]]:
@@ -200,31 +220,27 @@ def idle_by_gap(compute: list[Interval], boundaries: list[float]) -> dict[str, l
     return out
 
 
-def short_gaps_by_next(activity: Activity, compute: list[Interval], other: list[Interval]) -> dict[str, dict]:
+def short_gaps_by_next(activity: Activity, last: LastStep) -> dict[str, dict]:
     """The last counted step's gaps under `SHORT_GAP_MS`, by the compute kernel that ends them (the `TOP_NEXT` with
     the most idle time): how many, their idle seconds, and how much of that the GPU did nothing at all. Many short
     waits before one kernel (a block's first, after its load) tell a transfer just too late from the host's launch
     pace (the GPU empty)."""
-    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
-    order, starts = _by_start(activity)
-    busy_elsewhere = _coverage(other)
     found: dict[str, dict] = {}
-    for start, end in gaps(compute, lo, hi):
-        after = bisect.bisect_left(starts, end)
-        if end - start >= SHORT_GAP_MS * 1e3 or after >= len(order):
+    for start, end in last.idle:
+        after = bisect.bisect_left(last.starts, end)
+        if end - start >= SHORT_GAP_MS * 1e3 or after >= len(last.order):
             continue
-        row = found.setdefault(activity.names[order[after]], {"count": 0, "idle_s": 0.0, "empty_s": 0.0})
+        row = found.setdefault(activity.names[last.order[after]], {"count": 0, "idle_s": 0.0, "empty_s": 0.0})
         row["count"] += 1
         row["idle_s"] += (end - start) / 1e6
-        row["empty_s"] += (end - start - busy_elsewhere(start, end)) / 1e6
+        row["empty_s"] += (end - start - last.busy_elsewhere(start, end)) / 1e6
     return dict(sorted(found.items(), key=lambda kv: -kv[1]["idle_s"])[:TOP_NEXT])
 
 
-def side_kernels_in_idle(activity: Activity, compute: list[Interval]) -> dict[str, float]:
+def side_kernels_in_idle(activity: Activity, last: LastStep) -> dict[str, float]:
     """The last counted step's idle seconds during which each kernel outside the model's streams ran (the
     `TOP_NEXT` names with the most): an updater's own kernels, the casts of loads."""
-    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
-    idle = _coverage(gaps(compute, lo, hi))
+    idle = _coverage(last.idle)
     found: Counter[str] = Counter()
     for (a, b), name in zip(activity.side, activity.side_names):
         found[name] += idle(a, b) / 1e6
@@ -266,33 +282,23 @@ def _moved(copies: list[tuple[Interval, float, object]], lo: float, hi: float) -
             sum(n for (start, _), n, _ in copies if lo <= start < hi) / 1e9)
 
 
-def largest_gaps(activity: Activity, compute: list[Interval], other: list[Interval]) -> list[dict]:
+def largest_gaps(activity: Activity, last: LastStep) -> list[dict]:
     """The last counted step's `TOP_GAPS` longest gaps in the model's compute, longest first: offset into the step and
     length (s), how much of it the GPU did nothing at all (s), the compute kernels before and after, and the other
-    work that overlapped it (s per name). `compute` and `other`: the unions of the model's kernel intervals and of
-    all other GPU work."""
-    lo, hi = activity.boundaries[-2], activity.boundaries[-1]
-    order, starts = _by_start(activity)
-    busy_elsewhere = _coverage(other)
-    out = []
-    for start, end in sorted(gaps(compute, lo, hi), key=lambda g: g[0] - g[1])[:TOP_GAPS]:
-        after = bisect.bisect_left(starts, end)
+    work that overlapped it (s per name)."""
+    order, out = last.order, []
+    for start, end in sorted(last.idle, key=lambda g: g[0] - g[1])[:TOP_GAPS]:
+        after = bisect.bisect_left(last.starts, end)
         beside: Counter[str] = Counter()
         for (a, b), name in zip(activity.other, activity.other_names):
             if a < end and b > start:
                 beside[name] += (min(b, end) - max(a, start)) / 1e6
-        out.append({"at_s": (start - lo) / 1e6, "idle_s": (end - start) / 1e6,
-                    "empty_s": (end - start - busy_elsewhere(start, end)) / 1e6,
+        out.append({"at_s": (start - last.lo) / 1e6, "idle_s": (end - start) / 1e6,
+                    "empty_s": (end - start - last.busy_elsewhere(start, end)) / 1e6,
                     "before": activity.names[order[after - 1]] if after > 0 else None,
                     "after": activity.names[order[after]] if after < len(order) else None,
                     "beside_s": dict(beside.most_common(TOP_BESIDE))})
     return out
-
-
-def _by_start(activity: Activity) -> tuple[list[int], list[float]]:
-    """The compute kernels' indices in start order, and their starts (to find the kernels either side of a gap)."""
-    order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
-    return order, [activity.compute[i][0] for i in order]
 
 
 def _coverage(intervals: list[Interval]) -> Callable[[float, float], float]:
