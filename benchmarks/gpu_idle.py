@@ -30,6 +30,11 @@ a wait at the step boundary can be told from a wait inside the backward (a copy 
 `short_gaps_by_next` groups the last counted step's gaps under 1 ms by the kernel after them. `idle_beside_kernels_s`
 is the part of each step's idle time during which another stream ran a kernel (an updater's, a cast of a load),
 and `side_kernels_in_idle_s` names those kernels in the last counted step.
+`gap_causes` says why the last counted step's gaps ended when they did, from the host's CUDA API calls that the same
+profile records: the kernel after a gap was launched only after the gap began (`launched_late`: the host had fallen
+behind the GPU, waiting or working in Python) or was queued before it (`queued`: it waited on the device, for a copy
+or another stream's event); for the late ones, the launching thread's long API calls during the gap (synchronisations,
+frees, pinning), by name.
 `copies` says how PCIe was used on the same timeline: per counted step and direction, the time any copy was moving
 (the union of the copies' intervals), the bytes moved and their rate while moving, and the time both directions
 moved at once, so copies that run slowly can be told from copies that wait; `copies_by_stream` splits the last
@@ -54,6 +59,9 @@ MARKER = "spin_kernel"  # the kernel torch.cuda._sleep launches
 MARKER_CYCLES = 500
 MATMUL = re.compile(r"gemm|nvjet|cutlass|splitKreduce", re.IGNORECASE)  # cuBLAS's and CUTLASS's matmul kernels
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+API_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's CUDA calls: kernel launches (ATen's, Triton's) and waits
+HOST_BLOCKING_US = 100.0  # an API call this long or longer is a wait (a synchronisation, a free, pinning), not a launch
+TOP_BLOCKING = 6  # API call names kept in `gap_causes`
 TOP_KERNELS = 15  # kernel names kept in `kernels_s`
 TOP_GAPS = 8  # idle gaps kept in `gaps`
 TOP_BESIDE = 4  # names of the other work kept per gap
@@ -118,11 +126,16 @@ class Activity:
     side: list[Interval]  # the kernels of the other streams (a part of `other`)
     side_names: list[str]  # their names, in the order of `side`
     copies: dict[str, list[tuple[Interval, float, object]]]  # "h2d" / "d2h" -> (interval, bytes, stream) of each
+    correlations: list[object]  # the model's kernels' launch correlation ids, in the order of `compute`
+    launches: dict[object, tuple[float, object]]  # correlation id -> (when the host called the launch, its thread)
+    host_calls: list[tuple[Interval, str, object]]  # the host's API calls of HOST_BLOCKING_US or more: name, thread
 
 
 def read_trace(trace: dict) -> Activity:
     """The GPU events of a chrome trace (torch.profiler's export): kernels, copies and memsets by stream."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    events = [e for e in spans if e.get("cat") in GPU_CATEGORIES]
+    api = [e for e in spans if e.get("cat") in API_CATEGORIES]
     markers = [e for e in events if e["cat"] == "kernel" and MARKER in e.get("name", "")]
     if len(markers) < 3:
         raise ValueError(f"{len(markers)} step markers in the profile; at least 3 are needed for one step")
@@ -147,7 +160,15 @@ def read_trace(trace: dict) -> Activity:
         copies={way: [(_interval(e), float((e.get("args") or {}).get("bytes", 0)), _stream(e)) for e in events
                       if e["cat"] == "gpu_memcpy" and tag in e.get("name", "")]
                 for way, tag in COPY_NAMES.items()},
+        correlations=[_correlation(e) for e in kernels],
+        launches={_correlation(e): (float(e["ts"]), e.get("tid")) for e in api if _correlation(e) is not None},
+        host_calls=[(_interval(e), e.get("name", "?"), e.get("tid")) for e in api
+                    if float(e.get("dur", 0.0)) >= HOST_BLOCKING_US],
     )
+
+
+def _correlation(event: dict) -> object:
+    return (event.get("args") or {}).get("correlation")
 
 
 def _other_name(event: dict) -> str:
@@ -185,7 +206,7 @@ def idle_per_step(activity: Activity) -> dict:
             "kernels_s": kernel_times(activity, steps),
             "gaps": largest_gaps(activity, last), "idle_by_gap_s": idle_by_gap(compute, activity.boundaries),
             "short_gaps_by_next": short_gaps_by_next(activity, last),
-            "side_kernels_in_idle_s": side_kernels_in_idle(activity, last),
+            "side_kernels_in_idle_s": side_kernels_in_idle(activity, last), "gap_causes": gap_causes(activity, last),
             "copies": copy_times(activity), "copies_by_stream": copy_streams(activity)}
 
 
@@ -235,6 +256,30 @@ def short_gaps_by_next(activity: Activity, last: LastStep) -> dict[str, dict]:
         row["idle_s"] += (end - start) / 1e6
         row["empty_s"] += (end - start - last.busy_elsewhere(start, end)) / 1e6
     return dict(sorted(found.items(), key=lambda kv: -kv[1]["idle_s"])[:TOP_NEXT])
+
+
+def gap_causes(activity: Activity, last: LastStep) -> dict[str, dict[str, float]]:
+    """The last counted step's idle time (s) by why its gaps ended when they did (`launched_late`, `queued`, or
+    `unmatched` where the profile has no launch for the kernel after the gap), and the launching thread's long API
+    calls during the gaps whose kernel came late, s by name (`late_blocked_in_s`)."""
+    seconds: Counter[str] = Counter()
+    blocked: Counter[str] = Counter()
+    for start, end in last.idle:
+        after = bisect.bisect_left(last.starts, end)
+        launch = activity.launches.get(activity.correlations[last.order[after]]) if after < len(last.order) else None
+        if launch is None:
+            seconds["unmatched"] += end - start
+            continue
+        at, thread = launch
+        if at <= start:
+            seconds["queued"] += end - start
+            continue
+        seconds["launched_late"] += end - start
+        for (a, b), name, tid in activity.host_calls:
+            if tid == thread and a < at and b > start:
+                blocked[name] += min(b, at) - max(a, start)
+    return {"idle_s": {cause: t / 1e6 for cause, t in seconds.most_common()},
+            "late_blocked_in_s": {name: t / 1e6 for name, t in blocked.most_common(TOP_BLOCKING)}}
 
 
 def side_kernels_in_idle(activity: Activity, last: LastStep) -> dict[str, float]:

@@ -317,6 +317,21 @@ def copies_md(records: list[dict]) -> str:
     return _table(header, rows) if rows else ""
 
 
+def gap_causes_md(records: list[dict]) -> str:
+    """Per profiled case, the last counted step's idle time by why its gaps ended (`gpu_idle.gap_causes`)."""
+    rows = []
+    for r in records:
+        causes = (r.get("gpu_idle") or {}).get("gap_causes") if r["ok"] else None
+        if not causes:
+            continue
+        blocked = ", ".join(f"{name} {t:.3f}" for name, t in causes["late_blocked_in_s"].items()) or "-"
+        rows.append([label(r), *(causes["idle_s"].get(k, 0.0) for k in ("launched_late", "queued", "unmatched")),
+                     blocked])
+    header = ["case", "kernel launched after the gap began s", "kernel queued, waiting on the device s",
+              "no launch in the profile s", "the host's long CUDA calls in the late gaps (s)"]
+    return _table(header, rows) if rows else ""
+
+
 def failures_md(records: list[dict]) -> str:
     rows = [[label(r), r["system"], str(r["error"]).splitlines()[0][:240] if r["error"] else "-"]
             for r in records if not r["ok"]]
@@ -344,6 +359,9 @@ def tables_md(records: list[dict]) -> str:
     copies = copies_md(records)
     if copies:
         parts += ["### PCIe on the GPU timeline (per profiled step)", copies]
+    causes = gap_causes_md(records)
+    if causes:
+        parts += ["### Why the model's compute idled (the last profiled step)", causes]
     parts += ["### Failed or not run (a result in its own right)", failures_md(records)]
     return "\n\n".join(parts)
 

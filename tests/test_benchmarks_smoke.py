@@ -203,6 +203,31 @@ def test_the_last_steps_short_gaps_are_grouped_by_the_kernel_after_them() -> Non
     assert grouped["norm"] == {"count": 1, "idle_s": pytest.approx(5e-5), "empty_s": pytest.approx(5e-5)}
 
 
+def _api(ts: float, correlation: int, name: str = "cudaLaunchKernel", dur: float = 5.0, thread: int = 1) -> dict:
+    """A host CUDA API call as torch.profiler records it."""
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": thread,
+            "args": {"correlation": correlation}}
+
+
+def test_the_last_steps_gaps_are_told_apart_by_when_the_host_launched_the_kernel_after_them() -> None:
+    """Step 3 (2000-3000 µs) idles 2100-2200 before a kernel queued at 2050 (it waited on the device), 2300-2500
+    before one the host launched only at 2450, after a cudaFree on its thread from 2150, and 2600-2650 before one the
+    profile has no launch for. Another thread's long call is not the launching thread's."""
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e["ts"] == 2000.0 and e["name"] == "gemm")]
+    for ts, dur, correlation in ((2000.0, 100.0, 1), (2200.0, 100.0, 2), (2500.0, 100.0, 3), (2650.0, 350.0, 4)):
+        kernel = _kernel(ts, dur)
+        kernel["args"]["correlation"] = correlation
+        trace["traceEvents"].append(kernel)
+    trace["traceEvents"] += [_api(1990.0, 1), _api(2050.0, 2), _api(2450.0, 3),
+                             _api(2150.0, 99, name="cudaFree", dur=300.0),
+                             _api(2455.0, 98, name="cudaEventSynchronize", dur=500.0, thread=2)]
+    causes = idle_per_step(read_trace(trace))["gap_causes"]
+    assert causes["idle_s"] == {"launched_late": pytest.approx(2e-4), "queued": pytest.approx(1e-4),
+                                "unmatched": pytest.approx(5e-5)}
+    assert causes["late_blocked_in_s"] == {"cudaFree": pytest.approx(1.5e-4)}  # 2300-2450 of its 2150-2450
+
+
 def _idle_in_step_3(beside: dict) -> dict:
     """The trace with step 3 (2000-3000 µs) idle from 2300 to 2500 on the compute stream, `beside` a kernel there."""
     trace = _trace()
@@ -268,6 +293,13 @@ def test_the_report_shows_each_profiled_cases_copies_and_their_rate() -> None:
                        "both_s": [0.4, 0.2]}}
     record = _record("llama3_8b-mb8-cap24-slide-cpu", tokens_per_s=3000.0, step_s_mean=2.7, gpu_idle=idle)
     assert "| llama3_8b-mb8-cap24-slide-cpu | 1 | 42 | 42 | 0.5 | 20 | 40 | 0.3 |" in report.copies_md([record])
+
+
+def test_the_report_shows_why_each_profiled_cases_compute_idled() -> None:
+    idle = {"gap_causes": {"idle_s": {"launched_late": 0.06, "queued": 0.19},
+                           "late_blocked_in_s": {"cudaFree": 0.012}}}
+    record = _record("llama3_8b-mb64-cap24-slide-cpu", tokens_per_s=9700.0, step_s_mean=6.7, gpu_idle=idle)
+    assert "| llama3_8b-mb64-cap24-slide-cpu | 0.06 | 0.19 | 0 | cudaFree 0.012 |" in report.gap_causes_md([record])
 
 
 def test_the_8_bit_moments_step_is_measured_against_the_fp32_cpu_adam_bound() -> None:
