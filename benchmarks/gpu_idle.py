@@ -229,6 +229,13 @@ class LastStep:
         order = sorted(range(len(activity.compute)), key=lambda i: activity.compute[i])
         return cls(lo, gaps(compute, lo, hi), order, [activity.compute[i][0] for i in order], _coverage(other))
 
+    def around(self, end: float) -> tuple[int | None, int | None]:
+        """The model's kernels either side of a gap ending at `end` (indices into `Activity.compute`; None where the
+        step has none on that side)."""
+        after = bisect.bisect_left(self.starts, end)
+        return (self.order[after - 1] if after > 0 else None,
+                self.order[after] if after < len(self.order) else None)
+
 
 def idle_by_gap(compute: list[Interval], boundaries: list[float]) -> dict[str, list[float]]:
     """Per counted step, the idle seconds in gaps of each length class (`GAP_CLASSES_MS`): many short gaps are the
@@ -248,10 +255,10 @@ def short_gaps_by_next(activity: Activity, last: LastStep) -> dict[str, dict]:
     pace (the GPU empty)."""
     found: dict[str, dict] = {}
     for start, end in last.idle:
-        after = bisect.bisect_left(last.starts, end)
-        if end - start >= SHORT_GAP_MS * 1e3 or after >= len(last.order):
+        _, after = last.around(end)
+        if end - start >= SHORT_GAP_MS * 1e3 or after is None:
             continue
-        row = found.setdefault(activity.names[last.order[after]], {"count": 0, "idle_s": 0.0, "empty_s": 0.0})
+        row = found.setdefault(activity.names[after], {"count": 0, "idle_s": 0.0, "empty_s": 0.0})
         row["count"] += 1
         row["idle_s"] += (end - start) / 1e6
         row["empty_s"] += (end - start - last.busy_elsewhere(start, end)) / 1e6
@@ -265,8 +272,8 @@ def gap_causes(activity: Activity, last: LastStep) -> dict[str, dict[str, float]
     seconds: Counter[str] = Counter()
     blocked: Counter[str] = Counter()
     for start, end in last.idle:
-        after = bisect.bisect_left(last.starts, end)
-        launch = activity.launches.get(activity.correlations[last.order[after]]) if after < len(last.order) else None
+        _, after = last.around(end)
+        launch = activity.launches.get(activity.correlations[after]) if after is not None else None
         if launch is None:
             seconds["unmatched"] += end - start
             continue
@@ -331,17 +338,17 @@ def largest_gaps(activity: Activity, last: LastStep) -> list[dict]:
     """The last counted step's `TOP_GAPS` longest gaps in the model's compute, longest first: offset into the step and
     length (s), how much of it the GPU did nothing at all (s), the compute kernels before and after, and the other
     work that overlapped it (s per name)."""
-    order, out = last.order, []
+    out = []
     for start, end in sorted(last.idle, key=lambda g: g[0] - g[1])[:TOP_GAPS]:
-        after = bisect.bisect_left(last.starts, end)
+        before, after = last.around(end)
         beside: Counter[str] = Counter()
         for (a, b), name in zip(activity.other, activity.other_names):
             if a < end and b > start:
                 beside[name] += (min(b, end) - max(a, start)) / 1e6
         out.append({"at_s": (start - last.lo) / 1e6, "idle_s": (end - start) / 1e6,
                     "empty_s": (end - start - last.busy_elsewhere(start, end)) / 1e6,
-                    "before": activity.names[order[after - 1]] if after > 0 else None,
-                    "after": activity.names[order[after]] if after < len(order) else None,
+                    "before": activity.names[before] if before is not None else None,
+                    "after": activity.names[after] if after is not None else None,
                     "beside_s": dict(beside.most_common(TOP_BESIDE))})
     return out
 
