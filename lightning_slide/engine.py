@@ -366,7 +366,8 @@ class SlideEngine:
         return slots
 
     def leave(self, part: Part, slots: dict[int, Slot], direction: int) -> None:
-        """The part's compute is queued: its slots are free after it; load the next units of the pass ahead."""
+        """The part's compute is queued: its slots are free after it; load the next units of the pass ahead, and in
+        the backward, the dedicated units the CPU has updated (`Window.refresh_dedicated`)."""
         done = self.compute.record()
         for slot in slots.values():
             slot.params_free = done
@@ -376,6 +377,8 @@ class SlideEngine:
             protect.add(u)
             if self.adam.ready(u):  # a prefetch never waits for an update (at a step's start): the unit's call will
                 self.window.ensure(u, part.unit, direction, protect)
+        if direction < 0:
+            self.window.refresh_dedicated()
 
     def compute_part(self, part: Part, slots: dict[int, Slot], leaves: list, spec: Any, weights: dict) -> Any:
         return run_part(part, slots, leaves, spec, weights)

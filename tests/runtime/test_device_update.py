@@ -12,6 +12,7 @@ import lightning_slide.gradients as gradients
 import lightning_slide.layer_adam as layer_adam
 import lightning_slide.transfer as transfer
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
+from lightning_slide.window import Window
 from tests.runtime.helpers import (
     assert_same_state,
     engine_steps,
@@ -68,7 +69,9 @@ def test_compact_moments_coded_by_the_kernels_train_bit_for_bit_as_the_cpu_pool(
 @pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
 def test_updates_on_the_device_write_resident_weights_into_their_slots_instead_of_loading_them_again(mode,
                                                                                                     monkeypatch):
-    """Every block resident: after the first step, only what no update wrote is loaded."""
+    """Every block resident: after the first step, only what no update wrote is loaded. (The CPU-updated head's early
+    load in the backward, whose step depends on when the optimizer thread applies its update, is off: `test_window`.)"""
+    monkeypatch.setattr(Window, "refresh_dedicated", lambda self: None)
     pool, device = (_train("int8", mode, on, monkeypatch, slots=8) for on in (False, True))
     assert_same_state(pool, device)
     loads = [e.window.bytes for e in (pool, device)]
