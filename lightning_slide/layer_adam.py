@@ -299,6 +299,10 @@ class LayerAdam:
         # a unit's last update on the GPU: its host master and moments (and the weight slot it was given) are
         # written once this event has passed (loads wait for it on the device; `drain` on the host)
         self.landed: list[object] = [None] * len(storages)
+        # elements of each unit's latest update the CPU has written, from its start: chunks come in order (the copy
+        # thread sends a gradient's chunks from its first element on, deferred updates go span by span), so a load
+        # may copy a piece as soon as this passes it (`Window._load`)
+        self.written = [0] * len(storages)
         self.work_s = [0.0] * len(storages)  # this thread's time per unit: sums, updates, their disk reads
         self.landing_s = [0.0] * len(storages)  # ... and its waits for the unit's gradient chunks to land
         largest = max((s.trainable_numel for s in storages), default=0)
@@ -335,6 +339,7 @@ class LayerAdam:
 
     def schedule(self, unit: int) -> None:
         self.scheduled[unit] += 1
+        self.written[unit] = 0
 
     def put(self, item: Item) -> None:
         """Queue `item` on the thread of its unit's kind (CPU or GPU update)."""
@@ -352,6 +357,10 @@ class LayerAdam:
 
     def wait_applied(self, unit: int) -> float:
         return self.failure.wait(lambda: self.ready(unit), f"the update of unit {unit}")
+
+    def wait_written(self, unit: int, end: int) -> float:
+        """Wait until the CPU has written elements [0, end) of the unit's latest update (or all of it)."""
+        return self.failure.wait(lambda: self.ready(unit) or self.written[unit] >= end, f"the update of unit {unit}")
 
     def drain(self) -> float:
         waited = sum(self.failure.wait(w.idle, f"the optimizer thread {w.name}") for w in self.workers)
@@ -384,6 +393,7 @@ class LayerAdam:
             with self._working_on(item.unit):
                 for start, n in self.moments.spans(item.unit):
                     self._update(item.unit, item.plan, start, item.grads[start : start + n], slot=item.slot)
+                    self._wrote(item.unit, start + n)
             self._finish(item.unit)
             self._put_back_later(item.unit)
             return
@@ -396,6 +406,8 @@ class LayerAdam:
                 grad = self._accumulate(item)
             if item.update:
                 self._update(item.unit, item.plan, item.start, grad)
+        if item.update:
+            self._wrote(item.unit, item.start + item.grad.numel())
         item.release()
         if item.update and item.last:
             self._finish(item.unit)
@@ -475,6 +487,12 @@ class LayerAdam:
             self.pool.close()
         if self.on_device is not None:
             self.on_device.close()
+
+    def _wrote(self, unit: int, end: int) -> None:
+        """The CPU's update of `unit` has written [0, end): a load waiting for a piece of it may go on."""
+        if not self.updates_on_device(unit):
+            self.written[unit] = end
+            self.failure.notify()
 
     def _finish(self, unit: int) -> None:
         self.applied[unit] += 1

@@ -87,7 +87,8 @@ class Window:
         self._next_grads = 0
         needs_cast = device.type == "cuda" and dtype != torch.float32 and any(s.shadow is None for s in storages)
         largest = max(s.numel for s in storages)
-        self.staging = torch.empty(self.staging_elems(staging_elems, largest), device=device) if needs_cast else None
+        self.piece = self.staging_elems(staging_elems, largest)  # elements a load copies at a time, where it must
+        self.staging = torch.empty(self.piece, device=device) if needs_cast else None
         self.load_bytes = [0] * len(storages)  # bytes each unit's loads copied to the device
         self.written_back_bytes = 0  # weights copied back from slots to their masters' weights planes
         self.waits = [0.0] * len(storages)  # seconds loads of each unit waited for its update
@@ -202,8 +203,11 @@ class Window:
         return max((s for s in self.ring if s.unit not in protect), key=rank)
 
     def _load(self, slot: Slot, unit: int, written: object = None) -> None:
-        """Load `unit` into `slot` after its last reader and after `written` (an update's writes into it)."""
-        self.waits[unit] += self.adam.wait_applied(unit)
+        """Load `unit` into `slot` after its last reader and after `written` (an update's writes into it). Where the
+        CPU is still updating the unit, its master goes piece by piece as the update writes it (`_copy_in`)."""
+        follows = not self.adam.ready(unit) and not self.adam.updates_on_device(unit)
+        if not follows:
+            self.waits[unit] += self.adam.wait_applied(unit)
         if slot.unit is not None and slot.unit != unit:
             self._write_back(slot, slot.unit)
         storage = self.storages[unit]
@@ -217,10 +221,8 @@ class Window:
             if planes:  # the weights plane, chunk by chunk
                 for at, weights, _ in storage.halves.pieces(0, storage.numel):
                     dst[at : at + weights.numel()].copy_(weights, non_blocking=True)
-            elif source.dtype == dst.dtype or self.staging is None:
-                dst.copy_(source, non_blocking=True)
             else:
-                self._cast_in(dst, source)
+                self._copy_in(dst, source, unit, follows)
             slot.loaded = self.h2d.record()
         slot.unit, slot.version = unit, self.adam.scheduled[unit]
         self.load_bytes[unit] += dst.numel() * (dst.element_size() if planes else source.element_size())
@@ -255,14 +257,25 @@ class Window:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _cast_in(self, dst: torch.Tensor, master: torch.Tensor) -> None:
-        """fp32 pinned master -> device staging -> compute dtype, chunk by chunk (no CPU-side conversion)."""
-        step = self.staging.numel()
-        for start in range(0, master.numel(), step):
-            end = min(start + step, master.numel())
-            stage = self.staging[: end - start]
-            stage.copy_(master[start:end], non_blocking=True)
-            dst[start:end].copy_(stage)
+    def _copy_in(self, dst: torch.Tensor, source: torch.Tensor, unit: int, follows: bool) -> None:
+        """The master (or its shadow) into a slot: an fp32 master for bf16 compute through the device staging, cast
+        there (no CPU-side conversion), piece by piece; else in one copy. Where the unit's update still runs on the
+        CPU (`follows`), in pieces of a gradient chunk, each once the update has written it: the load then ends
+        about one piece after the update (for the first blocks at a step's start, whose updates end last), not a
+        whole unit's copy after it."""
+        cast = source.dtype != dst.dtype and self.staging is not None
+        n, trainable = source.numel(), self.storages[unit].trainable_numel
+        step = self.piece if cast or follows else n
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            if follows:
+                self.waits[unit] += self.adam.wait_written(unit, min(end, trainable))
+            if cast:
+                stage = self.staging[: end - start]
+                stage.copy_(source[start:end], non_blocking=True)
+                dst[start:end].copy_(stage)
+            else:
+                dst[start:end].copy_(source[start:end], non_blocking=True)
 
     def reset(self) -> None:
         """Forget what the slots hold (after the master weights were overwritten from outside)."""

@@ -1,7 +1,10 @@
-"""The window's dedicated slots: a unit the CPU updates (the head) loads its new weights in the backward, once its
-update is applied, instead of in the next forward, which reads them at its end."""
+"""Loads that follow the CPU's updates: a dedicated unit the CPU updates (the head) loads its new weights in the
+backward, once its update is applied, instead of in the next forward, which reads them at its end; and a unit whose
+update is still running loads piece by piece as the update writes its master."""
 
 import copy
+import threading
+import time
 
 import torch
 
@@ -90,4 +93,32 @@ def test_a_dedicated_unit_whose_update_is_not_applied_yet_is_left_for_its_forwar
     engine.window.refresh_dedicated()
     assert engine.window.load_bytes[head] == before
     engine.adam.scheduled[head] -= 1
+    engine.close()
+
+
+def test_a_load_of_a_unit_the_cpu_is_still_updating_copies_each_piece_once_the_update_has_written_it():
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(chunk_elems=1024, slots=2),
+                         torch.device("cpu"), torch.float32, StepMode())
+    window, adam, unit = engine.window, engine.adam, 1  # the first block
+    master, piece = engine.storages[unit].master, window.piece
+    assert master.numel() > 2 * piece
+    adam.schedule(unit)  # an update launched, its chunks still to come
+    new = master + 1
+    slot = window.ring[0]
+    loading = threading.Thread(target=window._load, args=(slot, unit))
+    loading.start()
+    master[:piece] = new[:piece]  # the update's first chunk
+    adam._wrote(unit, piece)
+    deadline = time.monotonic() + 30
+    while not torch.equal(slot.params[:piece], new[:piece]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(slot.params[:piece], new[:piece])  # copied before the update ended
+    assert loading.is_alive()
+    master[piece:] = new[piece:]  # the rest, then the update is applied
+    adam._finish(unit)
+    engine.failure.notify()
+    loading.join(30)
+    assert not loading.is_alive()
+    assert torch.equal(slot.params[: master.numel()], new)
     engine.close()
