@@ -9,7 +9,7 @@ import time
 import torch
 
 from lightning_slide import SlideConfig, SlideEngine, StepMode
-from tests.runtime.helpers import param_groups, relative_difference, tiny_model, token_batches
+from tests.runtime.helpers import engine_steps, param_groups, relative_difference, tiny_model, token_batches
 
 STEPS = 3
 
@@ -45,12 +45,7 @@ def _train_recording_loads(engine: SlideEngine, head: int, model: torch.nn.Modul
     monkeypatch.setattr(engine, "enter", entering)
     monkeypatch.setattr(engine, "leave", leaving)
     monkeypatch.setattr(engine.window, "_load", loading)
-    for x in token_batches(STEPS):
-        engine.new_micro_batch()
-        engine.begin_step()
-        model(input_ids=x, labels=x).loss.backward()
-        engine.end_step()
-    engine.synchronize()
+    engine_steps(engine, model, token_batches(STEPS))
     return loads
 
 
@@ -82,12 +77,7 @@ def test_loading_the_head_in_the_backward_trains_as_adamw(monkeypatch):
 def test_a_dedicated_unit_whose_update_is_not_applied_yet_is_left_for_its_forward():
     model = tiny_model("llama")
     engine, head = _engine(model)
-    x = token_batches(1)[0]
-    engine.new_micro_batch()
-    engine.begin_step()
-    model(input_ids=x, labels=x).loss.backward()
-    engine.end_step()
-    engine.synchronize()
+    engine_steps(engine, model, token_batches(1))
     engine.adam.scheduled[head] += 1  # as though the head's next update were launched and still running
     before = engine.window.load_bytes[head]
     engine.window.refresh_dedicated()
