@@ -207,8 +207,8 @@ class Call:
         grads = torch.autograd.grad(
             [o for o, _ in pairs], [*self.inputs, *self.weights.values()], [g for _, g in pairs], allow_unused=True
         )
+        host.leave(part, slots, -1)  # the next units' loads go before the gradients, which may wait for a buffer
         host.store_grads(part, self.trainable, grads[len(self.inputs) :])
-        host.leave(part, slots, -1)
         if prev is not None and not early:
             prev.prefetch()
         self.saved, self.leaves, self.inputs, self.trainable, self.weights, self.views = [], [], [], [], {}, None

@@ -1,6 +1,7 @@
 """Loads that follow the CPU's updates: a dedicated unit the CPU updates (the head) loads its new weights in the
 backward, once its update is applied, instead of in the next forward, which reads them at its end; and a unit whose
-update is still running loads piece by piece as the update writes its master."""
+update is still running loads piece by piece as the update writes its master; and a backward queues the loads it
+needs next before its gradient may wait for a free GPU buffer."""
 
 import copy
 import threading
@@ -111,4 +112,35 @@ def test_a_load_of_a_unit_the_cpu_is_still_updating_copies_each_piece_once_the_u
     loading.join(30)
     assert not loading.is_alive()
     assert torch.equal(slot.params[: master.numel()], new)
+    engine.close()
+
+
+def test_a_backward_queues_the_next_units_load_before_its_gradient_may_wait_for_a_buffer(monkeypatch):
+    """Two slots for three blocks (one unit loaded ahead): the first block is not resident when the backward reaches
+    the second, whose gradient may then wait for a free GPU buffer (the copy thread frees one only as the optimizer
+    takes its chunks); the first block's load must not wait behind it."""
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(slots=2),
+                         torch.device("cpu"), torch.float32, StepMode())
+    events = []
+    enter, store, load = engine.enter, engine.grads.store, engine.window._load
+
+    def entering(part, direction):
+        events.append(("enter", part.unit, direction))
+        return enter(part, direction)
+
+    def storing(part, bindings, grads):
+        events.append(("store", part.unit))
+        store(part, bindings, grads)
+
+    def loading(slot, unit, written=None):
+        events.append(("load", unit))
+        load(slot, unit, written)
+
+    monkeypatch.setattr(engine, "enter", entering)
+    monkeypatch.setattr(engine.grads, "store", storing)
+    monkeypatch.setattr(engine.window, "_load", loading)
+    engine_steps(engine, model, token_batches(2))
+    second = len(events) - 1 - events[::-1].index(("enter", 2, -1))  # the last backward of the second block
+    assert events[second + 1 : second + 3] == [("load", 1), ("store", 2)]
     engine.close()
