@@ -92,6 +92,7 @@ class Window:
         self.load_bytes = [0] * len(storages)  # bytes each unit's loads copied to the device
         self.written_back_bytes = 0  # weights copied back from slots to their masters' weights planes
         self.waits = [0.0] * len(storages)  # seconds loads of each unit waited for its update
+        self._partial: dict[int, tuple[int, int]] = {}  # a dedicated unit's refresh under way: (version, elements in)
 
     @staticmethod
     def staging_elems(staging_elems: int, largest: int) -> int:
@@ -152,18 +153,29 @@ class Window:
         slot = self.holding(unit) or self._victim(position, direction, protect)
         written = self._settle(slot, unit)
         if slot.unit != unit or slot.version != self.adam.scheduled[unit]:
-            self._load(slot, unit, written)
+            self._load(slot, unit, written, start=self._resume(unit))
         return slot
 
     def refresh_dedicated(self) -> None:
-        """Load every dedicated unit (the embedding, the head) whose update the CPU has applied since its slot was
-        filled. Called in the backward: such a unit's gradient was complete, so its slot is not read again before
-        the next forward, which would otherwise wait for the load at its end (the head's fp32 master is 2.1 GB at
-        Llama-3's vocabulary, two blocks' worth, ahead of one block's compute)."""
+        """Load, a piece a call, every dedicated unit (the embedding, the head) whose update the CPU has applied since
+        its slot was filled. Called once a backward part's next loads are queued: such a unit's gradient was
+        complete, so its slot is not read again before the next forward, which would otherwise wait for the whole
+        load at its end (the head's fp32 master is 2.1 GB at Llama-3's vocabulary, two blocks' worth, ahead of one
+        block's compute). A piece a call keeps the blocks' loads behind it on the lane from waiting for all of it;
+        the unit's forward copies what is left (`ensure`)."""
         for unit, slot in self.dedicated.items():
-            if (slot.unit == unit and slot.pending_write is None and slot.version != self.adam.scheduled[unit]
-                    and not self.adam.updates_on_device(unit) and self.adam.ready(unit)):
-                self._load(slot, unit)
+            version = self.adam.scheduled[unit]
+            if (slot.unit != unit or slot.pending_write is not None or slot.version == version
+                    or self.adam.updates_on_device(unit) or not self.adam.ready(unit)):
+                continue
+            start = self._resume(unit)
+            self._load(slot, unit, start=start, end=min(start + self.piece, self.storages[unit].numel))
+            return
+
+    def _resume(self, unit: int) -> int:
+        """Elements of `unit`'s current weights that a paced refresh has already copied into its slot."""
+        version, done = self._partial.get(unit, (-1, 0))
+        return done if version == self.adam.scheduled[unit] else 0
 
     def claim(self, unit: int) -> SlotWrite | None:
         """The slot holding `unit`, for the unit's update (already scheduled) to write the new weights into where
@@ -202,8 +214,9 @@ class Window:
 
         return max((s for s in self.ring if s.unit not in protect), key=rank)
 
-    def _load(self, slot: Slot, unit: int, written: object = None) -> None:
-        """Load `unit` into `slot` after its last reader and after `written` (an update's writes into it). Where the
+    def _load(self, slot: Slot, unit: int, written: object = None, start: int = 0, end: int | None = None) -> None:
+        """Load `unit`'s elements [start, end) (to its last by default) into `slot` after its last reader and after
+        `written` (an update's writes into it); the slot holds the unit once its last element is queued. Where the
         CPU is still updating the unit, its master goes piece by piece as the update writes it (`_copy_in`)."""
         follows = not self.adam.ready(unit) and not self.adam.updates_on_device(unit)
         if not follows:
@@ -211,6 +224,7 @@ class Window:
         if slot.unit is not None and slot.unit != unit:
             self._write_back(slot, slot.unit)
         storage = self.storages[unit]
+        end = storage.numel if end is None else end
         dst = slot.params[: storage.numel]
         planes = storage.halves is not None and storage.halves.planes
         source = storage.master if storage.shadow is None else storage.shadow
@@ -219,13 +233,18 @@ class Window:
             self.h2d.wait(written)
             self.h2d.wait(self.adam.landed[unit])  # an update queued on the GPU writes the master read here
             if planes:  # the weights plane, chunk by chunk
-                for at, weights, _ in storage.halves.pieces(0, storage.numel):
+                for at, weights, _ in storage.halves.pieces(start, end):
                     dst[at : at + weights.numel()].copy_(weights, non_blocking=True)
             else:
-                self._copy_in(dst, source, unit, follows)
-            slot.loaded = self.h2d.record()
+                self._copy_in(dst, source, unit, follows, start, end)
+            if end == storage.numel:
+                slot.loaded = self.h2d.record()
+        self.load_bytes[unit] += (end - start) * (dst.element_size() if planes else source.element_size())
+        if end < storage.numel:
+            self._partial[unit] = (self.adam.scheduled[unit], end)
+            return
+        self._partial.pop(unit, None)
         slot.unit, slot.version = unit, self.adam.scheduled[unit]
-        self.load_bytes[unit] += dst.numel() * (dst.element_size() if planes else source.element_size())
 
     def _write_back(self, slot: Slot, unit: int) -> object:
         """Where the slot holds `unit`'s newest weights and its master's weights plane does not (`MasterHalves.stale`),
@@ -257,27 +276,28 @@ class Window:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _copy_in(self, dst: torch.Tensor, source: torch.Tensor, unit: int, follows: bool) -> None:
-        """The master (or its shadow) into a slot: an fp32 master for bf16 compute through the device staging, cast
-        there (no CPU-side conversion), piece by piece; else in one copy. Where the unit's update still runs on the
-        CPU (`follows`), in pieces of a gradient chunk, each once the update has written it: the load then ends
-        about one piece after the update (for the first blocks at a step's start, whose updates end last), not a
-        whole unit's copy after it."""
+    def _copy_in(self, dst: torch.Tensor, source: torch.Tensor, unit: int, follows: bool, start: int, end: int) -> None:
+        """Elements [start, end) of the master (or its shadow) into a slot: an fp32 master for bf16 compute through the
+        device staging, cast there (no CPU-side conversion), piece by piece; else in one copy. Where the unit's update
+        still runs on the CPU (`follows`), in pieces of a gradient chunk, each once the update has written it: the
+        load then ends about one piece after the update (for the first blocks at a step's start, whose updates end
+        last), not a whole unit's copy after it."""
         cast = source.dtype != dst.dtype and self.staging is not None
-        n, trainable = source.numel(), self.storages[unit].trainable_numel
-        step = self.piece if cast or follows else n
-        for start in range(0, n, step):
-            end = min(start + step, n)
+        trainable = self.storages[unit].trainable_numel
+        step = self.piece if cast or follows else end - start
+        for a in range(start, end, step):
+            b = min(a + step, end)
             if follows:
-                self.waits[unit] += self.adam.wait_written(unit, min(end, trainable))
+                self.waits[unit] += self.adam.wait_written(unit, min(b, trainable))
             if cast:
-                stage = self.staging[: end - start]
-                stage.copy_(source[start:end], non_blocking=True)
-                dst[start:end].copy_(stage)
+                stage = self.staging[: b - a]
+                stage.copy_(source[a:b], non_blocking=True)
+                dst[a:b].copy_(stage)
             else:
-                dst[start:end].copy_(source[start:end], non_blocking=True)
+                dst[a:b].copy_(source[a:b], non_blocking=True)
 
     def reset(self) -> None:
         """Forget what the slots hold (after the master weights were overwritten from outside)."""
         for slot in [*self.ring, *self.dedicated.values()]:
             slot.unit, slot.version = None, -1
+        self._partial.clear()

@@ -1,5 +1,6 @@
 """Loads that follow the CPU's updates: a dedicated unit the CPU updates (the head) loads its new weights in the
-backward, once its update is applied, instead of in the next forward, which reads them at its end; and a unit whose
+backward, a piece per backward part once its update is applied, instead of in the next forward, which reads them at its
+end; and a unit whose
 update is still running loads piece by piece as the update writes its master; and a backward queues the loads it
 needs next before its gradient may wait for a free GPU buffer."""
 
@@ -15,10 +16,10 @@ from tests.runtime.helpers import engine_steps, param_groups, relative_differenc
 STEPS = 3
 
 
-def _engine(model: torch.nn.Module) -> tuple[SlideEngine, int]:
+def _engine(model: torch.nn.Module, config: SlideConfig | None = None) -> tuple[SlideEngine, int]:
     """An fp32 engine on the CPU and the index of its head unit (llama: untied, the head a dedicated unit)."""
-    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(), torch.device("cpu"),
-                         torch.float32, StepMode())
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config or SlideConfig(),
+                         torch.device("cpu"), torch.float32, StepMode())
     head = len(engine.storages) - 1
     assert head in engine.window.dedicated
     return engine, head
@@ -26,7 +27,8 @@ def _engine(model: torch.nn.Module) -> tuple[SlideEngine, int]:
 
 def _train_recording_loads(engine: SlideEngine, head: int, model: torch.nn.Module, monkeypatch) -> list[tuple]:
     """STEPS steps; each backward waits for the head's update before its next part's leave, so that the update is
-    applied while the backward still runs. Returns (unit, pass) of every load: 1 forward, -1 backward."""
+    applied while the backward still runs. Returns (unit, pass, first element, end) of every load: pass 1 forward,
+    -1 backward."""
     passes, loads = [1], []
     enter, leave, load = engine.enter, engine.leave, engine.window._load
 
@@ -39,9 +41,9 @@ def _train_recording_loads(engine: SlideEngine, head: int, model: torch.nn.Modul
             engine.adam.wait_applied(head)
         leave(part, slots, direction)
 
-    def loading(slot, unit, written=None):
-        loads.append((unit, passes[0]))
-        load(slot, unit, written)
+    def loading(slot, unit, written=None, start=0, end=None):
+        loads.append((unit, passes[0], start, engine.storages[unit].numel if end is None else end))
+        load(slot, unit, written, start, end)
 
     monkeypatch.setattr(engine, "enter", entering)
     monkeypatch.setattr(engine, "leave", leaving)
@@ -54,7 +56,7 @@ def test_the_heads_new_weights_load_in_the_backward_once_the_cpu_applied_its_upd
     model = tiny_model("llama")
     engine, head = _engine(model)
     loads = _train_recording_loads(engine, head, model, monkeypatch)
-    assert [p for unit, p in loads if unit == head] == [1] + [-1] * STEPS  # the first forward's, then one a backward
+    assert [p for unit, p, *_ in loads if unit == head] == [1] + [-1] * STEPS  # the first forward's, then a backward's
     slot = engine.window.dedicated[head]
     assert slot.version == engine.adam.scheduled[head]
     assert torch.equal(slot.params[: engine.storages[head].numel], engine.storages[head].master)
@@ -72,6 +74,30 @@ def test_loading_the_head_in_the_backward_trains_as_adamw(monkeypatch):
     engine, head = _engine(model)
     _train_recording_loads(engine, head, model, monkeypatch)
     engine.close()
+    assert relative_difference(expected, model) <= 1e-6
+
+
+def test_the_heads_refresh_copies_a_piece_per_backward_part_and_its_forward_copies_the_rest(monkeypatch):
+    """A head of more pieces than the backward has parts after its update: each backward part queues one piece, in
+    order, and the next forward's load starts where they stopped. The run still trains as `torch.optim.AdamW`."""
+    model = tiny_model("llama", vocab_size=512)
+    expected = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(param_groups(expected), lr=1e-2)
+    for x in token_batches(STEPS):
+        expected(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    engine, head = _engine(model, SlideConfig(chunk_elems=1024))
+    piece, numel = engine.window.piece, engine.storages[head].numel
+    assert numel > 8 * piece
+    loads = [(p, a, b) for unit, p, a, b in _train_recording_loads(engine, head, model, monkeypatch) if unit == head]
+    engine.close()
+    forwards = [i for i, (p, _, _) in enumerate(loads) if p > 0]  # each forward's load of the head
+    assert len(forwards) == STEPS and loads[0] == (1, 0, numel)
+    for before, at in zip(forwards, forwards[1:]):
+        backward = [(a, b) for _, a, b in loads[before + 1 : at]]
+        assert backward and backward == [(k * piece, (k + 1) * piece) for k in range(len(backward))]
+        assert loads[at] == (1, len(backward) * piece, numel)
     assert relative_difference(expected, model) <= 1e-6
 
 
@@ -133,9 +159,9 @@ def test_a_backward_queues_the_next_units_load_before_its_gradient_may_wait_for_
         events.append(("store", part.unit))
         store(part, bindings, grads)
 
-    def loading(slot, unit, written=None):
+    def loading(slot, unit, written=None, start=0, end=None):
         events.append(("load", unit))
-        load(slot, unit, written)
+        load(slot, unit, written, start, end)
 
     monkeypatch.setattr(engine, "enter", entering)
     monkeypatch.setattr(engine.grads, "store", storing)
