@@ -25,6 +25,17 @@ def _engine(model: torch.nn.Module, config: SlideConfig | None = None) -> tuple[
     return engine, head
 
 
+def _adamw(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` after the STEPS steps `engine_steps` runs, trained by `torch.optim.AdamW` alone."""
+    expected = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(param_groups(expected), lr=1e-2)
+    for x in token_batches(STEPS):
+        expected(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return expected
+
+
 def _train_recording_loads(engine: SlideEngine, head: int, model: torch.nn.Module, monkeypatch) -> list[tuple]:
     """STEPS steps; each backward waits for the head's update before its next part's leave, so that the update is
     applied while the backward still runs. Returns (unit, pass, first element, end) of every load: pass 1 forward,
@@ -65,12 +76,7 @@ def test_the_heads_new_weights_load_in_the_backward_once_the_cpu_applied_its_upd
 
 def test_loading_the_head_in_the_backward_trains_as_adamw(monkeypatch):
     model = tiny_model("llama")
-    expected = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(param_groups(expected), lr=1e-2)
-    for x in token_batches(STEPS):
-        expected(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    expected = _adamw(model)
     engine, head = _engine(model)
     _train_recording_loads(engine, head, model, monkeypatch)
     engine.close()
@@ -81,12 +87,7 @@ def test_the_heads_refresh_copies_a_piece_per_backward_part_and_its_forward_copi
     """A head of more pieces than the backward has parts after its update: each backward part queues one piece, in
     order, and the next forward's load starts where they stopped. The run still trains as `torch.optim.AdamW`."""
     model = tiny_model("llama", vocab_size=512)
-    expected = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(param_groups(expected), lr=1e-2)
-    for x in token_batches(STEPS):
-        expected(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    expected = _adamw(model)
     engine, head = _engine(model, SlideConfig(chunk_elems=1024))
     piece, numel = engine.window.piece, engine.storages[head].numel
     assert numel > 8 * piece
