@@ -1,8 +1,7 @@
 """Loads that follow the CPU's updates: a dedicated unit the CPU updates (the head) loads its new weights in the
-backward, a piece per backward part once its update is applied, instead of in the next forward, which reads them at its
-end; and a unit whose
-update is still running loads piece by piece as the update writes its master; and a backward queues the loads it
-needs next before its gradient may wait for a free GPU buffer."""
+backward, a piece per backward part once its update is applied, instead of in the next forward, which reads them at
+its end; a unit whose update is still running loads piece by piece as the update writes its master; and a backward
+queues the loads it needs next before its gradient may wait for a free GPU buffer."""
 
 import copy
 import threading
