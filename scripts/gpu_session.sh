@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Several GPU measurements in one command, in order, each with its own log; at the end everything they wrote is
-# packed into one archive, $OUT/session.tgz, beside $OUT/session.txt (what ran, when, and what was skipped).
+# Several GPU measurements in one command, in order, each with its own log; everything they wrote is packed into one
+# archive, $OUT/session.tgz, beside $OUT/session.txt (what ran, when, and what was skipped), again after each step
+# ends, so that a command stopped by its wall-clock limit still leaves the steps that ended before.
 #   bash scripts/gpu_session.sh STEP [STEP ...]
 # A STEP is
 #   "[VAR=value ...] COMMAND"      a `scripts/gpu.sh` command with its variables: check, "CASES=compact_moments bench"
@@ -16,6 +17,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=$(mktemp -d); T0=$SECONDS
 
 say() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$WORK/session.txt"; }
+pack() {  # what the steps wrote so far, replacing the archive whole
+  cp "$WORK/session.txt" "$OUT/session.txt"
+  tar czf "$OUT/.session.tgz" -C "$WORK" . && mv "$OUT/.session.tgz" "$OUT/session.tgz"
+}
 due() {  # whether `$1` may still start
   if [[ -n ${DEADLINE:-} ]] && (( SECONDS - T0 >= DEADLINE )); then say "skipped: $1"; return 1; fi
 }
@@ -34,6 +39,7 @@ ab() {  # cases, trees...
         > "$WORK/$name.log" 2>&1  # the tree's own gpu.sh, with the wheels this one installed
       say "$cases at $tree ($commit), round $round: $(grep -c '"ok": true' "$WORK/$name/results.jsonl" 2>/dev/null \
         || echo 0) records ok"
+      pack
     done
   done
 }
@@ -52,8 +58,8 @@ for step in "$@"; do
   env "${words[@]:0:${#words[@]}-1}" OUT="$WORK/$n-$command" COMMIT="${COMMIT:-unknown}" \
     bash scripts/gpu.sh "$command" > "$WORK/$n-$command.log" 2>&1
   say "$step: exit $?"
+  pack
 done
 
-say "packing into $OUT/session.tgz"
-cp "$WORK/session.txt" "$OUT/session.txt"
-tar czf "$OUT/session.tgz" -C "$WORK" .
+say "packed into $OUT/session.tgz"
+pack

@@ -613,6 +613,28 @@ def test_a_gpu_session_skips_what_starts_past_its_deadline_and_still_packs_its_a
         assert "./session.txt" in archive.getnames() and "./setup.log" in archive.getnames()
 
 
+def test_a_gpu_session_stopped_mid_step_leaves_the_steps_that_ended_in_its_archive(tmp_path) -> None:
+    """A command's wall-clock limit kills the session: what the steps before the one running wrote must come back.
+    The session runs from a tree whose `scripts/gpu.sh` stands in: `quick` writes a file, `slow` sleeps."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "gpu_session.sh").write_text((ROOT / "scripts" / "gpu_session.sh").read_text())
+    stand_in = 'mkdir -p "$OUT"; case $1 in setup) ;; slow) sleep 60 ;; *) echo $1 > "$OUT/x" ;; esac\n'
+    (tmp_path / "scripts" / "gpu.sh").write_text(stand_in)
+    out = tmp_path / "out"
+    session = subprocess.Popen(["bash", str(tmp_path / "scripts" / "gpu_session.sh"), "quick", "slow"],
+                               env={**os.environ, "OUT": str(out)}, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (out / "session.tgz").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert session.poll() is None  # still in `slow`
+    os.killpg(session.pid, 9)
+    session.wait(timeout=30)
+    with tarfile.open(out / "session.tgz") as archive:
+        assert archive.extractfile("./1-quick/x").read() == b"quick\n"
+    assert "quick: exit 0" in (out / "session.txt").read_text()
+
+
 def test_gpu_sh_refuses_a_command_it_does_not_have(tmp_path) -> None:
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "benchh"], capture_output=True, text=True,
                           env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
