@@ -284,7 +284,7 @@ class Window:
         last), not a whole unit's copy after it."""
         cast = source.dtype != dst.dtype and self.staging is not None
         trainable = self.storages[unit].trainable_numel
-        step = self.piece if cast or follows else end - start
+        step = self.piece if cast or follows else max(end - start, 1)  # one copy (none for an empty range)
         for a in range(start, end, step):
             b = min(a + step, end)
             if follows:
