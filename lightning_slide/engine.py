@@ -375,8 +375,9 @@ class SlideEngine:
         protect = set(part.owners)
         for u in (u for u in ahead if 0 <= u < len(self.storages)):
             protect.add(u)
-            if self.adam.ready(u):  # a prefetch never waits for an update (at a step's start): the unit's call will
-                self.window.ensure(u, part.unit, direction, protect)
+            if not self.adam.ready(u):  # a prefetch neither waits for an update (at a step's start: the unit's call
+                break  # will) nor passes it: the loads' lane is first in, first out, and the pass needs this unit first
+            self.window.ensure(u, part.unit, direction, protect)
         if direction < 0:
             self.window.refresh_dedicated()
 

@@ -1,7 +1,8 @@
 """Loads that follow the CPU's updates: a dedicated unit the CPU updates (the head) loads its new weights in the
 backward, a piece per backward part once its update is applied, instead of in the next forward, which reads them at
-its end; a unit whose update is still running loads piece by piece as the update writes its master; and a backward
-queues the loads it needs next before its gradient may wait for a free GPU buffer."""
+its end; a unit whose update is still running loads piece by piece as the update writes its master; a backward queues
+the loads it needs next before its gradient may wait for a free GPU buffer; and a forward's prefetch keeps the pass's
+order."""
 
 import copy
 import threading
@@ -170,3 +171,32 @@ def test_a_backward_queues_the_next_units_load_before_its_gradient_may_wait_for_
     second = len(events) - 1 - events[::-1].index(("enter", 2, -1))  # the last backward of the second block
     assert events[second + 1 : second + 3] == [("load", 1), ("store", 2)]
     engine.close()
+
+
+def test_a_forward_prefetch_does_not_pass_a_unit_whose_update_is_still_running(monkeypatch):
+    """At a step's start the first block's CPU update ends last: the embedding's prefetch must not queue the next
+    blocks' loads ahead of the first block's on the first-in, first-out loads' lane."""
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(slots=3),
+                         torch.device("cpu"), torch.float32, StepMode())
+    engine_steps(engine, model, token_batches(1))
+    loads, running = [], set()
+    leave, load, ready = engine.leave, engine.window._load, engine.adam.ready
+
+    def leaving(part, slots, direction):
+        if part.unit == 0 and direction > 0:  # the embedding's forward: the first block's update still running
+            running.add(1)
+        leave(part, slots, direction)
+        running.clear()
+
+    def loading(slot, unit, written=None, start=0, end=None):
+        loads.append(unit)
+        load(slot, unit, written, start, end)
+
+    monkeypatch.setattr(engine, "leave", leaving)
+    monkeypatch.setattr(engine.window, "_load", loading)
+    monkeypatch.setattr(engine.adam, "ready", lambda unit: unit not in running and ready(unit))
+    engine_steps(engine, model, token_batches(1, seed=2))
+    engine.close()
+    blocks = [u for u in loads if 1 <= u <= 3]
+    assert blocks[:3] == [1, 2, 3]
