@@ -172,10 +172,11 @@ class ActivationStore:
         self._saved_keys.clear()
         self._reading = False
 
-    def save(self, key: Hashable, value: torch.Tensor) -> Saved:
+    def save(self, key: Hashable, value: torch.Tensor, keep: bool = False) -> Saved:
+        """`value` kept for the backward where this micro-batch's inputs wait, or, with `keep`, on the device."""
         if self._where is None:
             self._where = self._decide(value)
-        if self._where == "device" or not value.is_floating_point():
+        if keep or self._where == "device" or not value.is_floating_point():
             return Saved(self, value)
         produced = self.compute.record()
         if self._where == "nvme":

@@ -122,6 +122,17 @@ def engine_steps(engine, model: torch.nn.Module, batches: list[torch.Tensor]) ->
         engine.synchronize()
 
 
+def adamw_steps(model: torch.nn.Module, batches: list[torch.Tensor], lr: float = 1e-2) -> torch.nn.Module:
+    """A copy of `model` after `engine_steps` over `batches` as `torch.optim.AdamW` alone trains it."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=lr)
+    for x in batches:
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
 def reference(model: torch.nn.Module, batches: list[torch.Tensor], steps: int, accumulate: int = 1,
               clip: float | None = None, optimizer: type = torch.optim.AdamW, device: str = "cpu",
               optimizer_kwargs: dict | None = None) -> torch.nn.Module:

@@ -7,7 +7,14 @@ import torch
 from lightning_slide import SlideConfig, SlideEngine
 from lightning_slide.parts import Call
 from lightning_slide.window import Window
-from tests.runtime.helpers import param_groups, tiny_model, token_batches
+from tests.runtime.helpers import (
+    adamw_steps,
+    engine_steps,
+    param_groups,
+    relative_difference,
+    tiny_model,
+    token_batches,
+)
 
 
 def _live_calls() -> int:
@@ -134,6 +141,20 @@ def test_a_lookahead_load_skips_a_unit_whose_update_is_still_pending():
     engine.close()
 
 
+def test_a_lookahead_load_does_not_pass_a_unit_whose_update_is_still_pending():
+    """The loads' lane is first in, first out: a later unit loaded ahead of a pending one (the first block, at a
+    step's start) would hold that unit's own load up behind it."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(slots=3), torch.device("cpu"),
+                         torch.float32)
+    engine.adam.schedule(1)  # the first block's update launched, not applied yet
+    embedding = next(p for p in engine.parts if p.unit == 0)
+    engine.leave(embedding, {}, +1)
+    assert engine.window.holding(1) is None and engine.window.holding(2) is None
+    engine.adam.applied[1] += 1
+    engine.close()
+
+
 def test_a_load_that_waits_for_an_update_is_counted_against_that_unit():
     import threading
     import time
@@ -167,3 +188,26 @@ def test_the_optimizer_threads_time_is_counted_against_each_unit_it_updates():
     assert sorted(work) == sorted(s.name for s in engine.storages if s.trainable_numel)
     assert all(t > 0 for t in work.values()) and sum(work.values()) <= engine.stats()["update_busy_s"]
     engine.close()
+
+
+def test_the_forwards_last_call_keeps_its_input_on_the_device_for_the_backward_that_comes_next(monkeypatch):
+    """Its backward is the first: an input sent out and brought straight back would hold it up (the head's at 8B
+    64x1024). The first forward does not know yet which call is its last; the run still trains as AdamW."""
+    model = tiny_model("llama")
+    expected = adamw_steps(model, token_batches(3))
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(activations="cpu"),
+                         torch.device("cpu"), torch.float32)
+    saves, save = [], engine.activations.save
+
+    def saving(key, value, keep=False):
+        saves.append((key[0], keep))
+        return save(key, value, keep)
+
+    monkeypatch.setattr(engine.activations, "save", saving)
+    engine_steps(engine, model, token_batches(3))
+    engine.close()
+    calls = max(position for position, _ in saves) + 1
+    per_step = [[position for position, keep in saves[k : k + len(saves) // 3] if keep]
+                for k in range(0, len(saves), len(saves) // 3)]
+    assert per_step[0] == [] and per_step[1] == per_step[2] == [calls - 1]
+    assert relative_difference(expected, model) <= 1e-6

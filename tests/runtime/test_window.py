@@ -1,17 +1,22 @@
 """Loads that follow the CPU's updates: a dedicated unit the CPU updates (the head) loads its new weights in the
 backward, a piece per backward part once its update is applied, instead of in the next forward, which reads them at
-its end; a unit whose update is still running loads piece by piece as the update writes its master; a backward queues
-the loads it needs next before its gradient may wait for a free GPU buffer; and a forward's prefetch keeps the pass's
-order."""
+its end; a unit whose update is still running loads piece by piece as the update writes its master; and a backward
+queues the loads it needs next before its gradient may wait for a free GPU buffer."""
 
-import copy
 import threading
 import time
 
 import torch
 
 from lightning_slide import SlideConfig, SlideEngine, StepMode
-from tests.runtime.helpers import engine_steps, param_groups, relative_difference, tiny_model, token_batches
+from tests.runtime.helpers import (
+    adamw_steps,
+    engine_steps,
+    param_groups,
+    relative_difference,
+    tiny_model,
+    token_batches,
+)
 
 STEPS = 3
 
@@ -23,17 +28,6 @@ def _engine(model: torch.nn.Module, config: SlideConfig | None = None) -> tuple[
     head = len(engine.storages) - 1
     assert head in engine.window.dedicated
     return engine, head
-
-
-def _adamw(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` after the STEPS steps `engine_steps` runs, trained by `torch.optim.AdamW` alone."""
-    expected = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(param_groups(expected), lr=1e-2)
-    for x in token_batches(STEPS):
-        expected(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return expected
 
 
 def _train_recording_loads(engine: SlideEngine, head: int, model: torch.nn.Module, monkeypatch) -> list[tuple]:
@@ -76,7 +70,7 @@ def test_the_heads_new_weights_load_in_the_backward_once_the_cpu_applied_its_upd
 
 def test_loading_the_head_in_the_backward_trains_as_adamw(monkeypatch):
     model = tiny_model("llama")
-    expected = _adamw(model)
+    expected = adamw_steps(model, token_batches(STEPS))
     engine, head = _engine(model)
     _train_recording_loads(engine, head, model, monkeypatch)
     engine.close()
@@ -87,7 +81,7 @@ def test_the_heads_refresh_copies_a_piece_per_backward_part_and_its_forward_copi
     """A head of more pieces than the backward has parts after its update: each backward part queues one piece, in
     order, and the next forward's load starts where they stopped. The run still trains as `torch.optim.AdamW`."""
     model = tiny_model("llama", vocab_size=512)
-    expected = _adamw(model)
+    expected = adamw_steps(model, token_batches(STEPS))
     engine, head = _engine(model, SlideConfig(chunk_elems=1024))
     piece, numel = engine.window.piece, engine.storages[head].numel
     assert numel > 8 * piece
@@ -172,31 +166,3 @@ def test_a_backward_queues_the_next_units_load_before_its_gradient_may_wait_for_
     assert events[second + 1 : second + 3] == [("load", 1), ("store", 2)]
     engine.close()
 
-
-def test_a_forward_prefetch_does_not_pass_a_unit_whose_update_is_still_running(monkeypatch):
-    """At a step's start the first block's CPU update ends last: the embedding's prefetch must not queue the next
-    blocks' loads ahead of the first block's on the first-in, first-out loads' lane."""
-    model = tiny_model("llama")
-    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(slots=3),
-                         torch.device("cpu"), torch.float32, StepMode())
-    engine_steps(engine, model, token_batches(1))
-    loads, running = [], set()
-    leave, load, ready = engine.leave, engine.window._load, engine.adam.ready
-
-    def leaving(part, slots, direction):
-        if part.unit == 0 and direction > 0:  # the embedding's forward: the first block's update still running
-            running.add(1)
-        leave(part, slots, direction)
-        running.clear()
-
-    def loading(slot, unit, written=None, start=0, end=None):
-        loads.append(unit)
-        load(slot, unit, written, start, end)
-
-    monkeypatch.setattr(engine, "leave", leaving)
-    monkeypatch.setattr(engine.window, "_load", loading)
-    monkeypatch.setattr(engine.adam, "ready", lambda unit: unit not in running and ready(unit))
-    engine_steps(engine, model, token_batches(1, seed=2))
-    engine.close()
-    blocks = [u for u in loads if 1 <= u <= 3]
-    assert blocks[:3] == [1, 2, 3]
