@@ -20,7 +20,7 @@ import torch
 
 from lightning_slide.available import available_vram
 from lightning_slide.pinned import host_empty, pin_, unpin_
-from lightning_slide.streams import Lane
+from lightning_slide.streams import Lane, host_wait
 from lightning_slide.threads import Failure
 from lightning_slide.tiers import Region, Spill, TierDirectory, align
 
@@ -176,6 +176,8 @@ class ActivationStore:
         """`value` kept for the backward where this micro-batch's inputs wait, or, with `keep`, on the device."""
         if self._where is None:
             self._where = self._decide(value)
+        if keep:
+            self._drop(key)
         if keep or self._where == "device" or not value.is_floating_point():
             return Saved(self, value)
         produced = self.compute.record()
@@ -263,6 +265,17 @@ class ActivationStore:
             return "device"
         needed = self.saves * value.numel() * value.element_size()
         return offload if self.offloads(needed, available_vram(self.device)) else "device"
+
+    def _drop(self, key: Hashable) -> None:
+        """The key's inputs stay on the device from now on: its host buffer goes, once a gradient lent it has been
+        applied (`before_reuse`) and its last copy back is done."""
+        buf = self._pool.pop(key, None)
+        if buf is None:
+            return
+        if self.before_reuse is not None:
+            self.before_reuse(buf.tensor)
+        host_wait(buf.read_done)
+        buf.release()
 
     def _buffer(self, key: Hashable, like: torch.Tensor) -> _HostBuffer:
         """The key's buffer, holding `like` from now on; replaced by a larger one when `like` does not fit (after

@@ -192,7 +192,8 @@ def test_the_optimizer_threads_time_is_counted_against_each_unit_it_updates():
 
 def test_the_forwards_last_call_keeps_its_input_on_the_device_for_the_backward_that_comes_next(monkeypatch):
     """Its backward is the first: an input sent out and brought straight back would hold it up (the head's at 8B
-    64x1024). The first forward does not know yet which call is its last; the run still trains as AdamW."""
+    64x1024). The first forward does not know yet which call is its last (its host buffer goes after); the run still
+    trains as AdamW."""
     model = tiny_model("llama")
     expected = adamw_steps(model, token_batches(3))
     engine = SlideEngine(model, torch.optim.AdamW(param_groups(model), lr=1e-2), SlideConfig(activations="cpu"),
@@ -205,8 +206,9 @@ def test_the_forwards_last_call_keeps_its_input_on_the_device_for_the_backward_t
 
     monkeypatch.setattr(engine.activations, "save", saving)
     engine_steps(engine, model, token_batches(3))
-    engine.close()
     calls = max(position for position, _ in saves) + 1
+    assert all(position != calls - 1 for position, _ in engine.activations._pool)  # the first step's buffer went
+    engine.close()
     per_step = [[position for position, keep in saves[k : k + len(saves) // 3] if keep]
                 for k in range(0, len(saves), len(saves) // 3)]
     assert per_step[0] == [] and per_step[1] == per_step[2] == [calls - 1]
