@@ -6,6 +6,8 @@ import threading
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
 import lightning_slide.device_update as device_update
 import lightning_slide.engine as engine_module
@@ -15,6 +17,7 @@ import lightning_slide.transfer as transfer
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
 from lightning_slide.window import Window
 from tests.runtime.helpers import (
+    CausalLM,
     assert_same_state,
     engine_steps,
     fit,
@@ -23,6 +26,7 @@ from tests.runtime.helpers import (
     relative_difference,
     tiny_model,
     token_batches,
+    trainer,
 )
 
 
@@ -167,6 +171,19 @@ def test_a_loaded_optimizer_state_reaches_the_moments_kept_in_device_memory(monk
     again = [(s.master, s.exp_avg.values, s.exp_avg_sq.values) for s in engine.storages]
     assert all(torch.equal(a, b) for x, y in zip(once, again) for a, b in zip(x, y))
     engine.close()
+
+
+def test_a_run_keeping_moments_in_device_memory_resumes_exactly_from_its_checkpoint(tmp_path, monkeypatch):
+    """Through Lightning: the checkpoint at step 4 (an epoch's end) holds the moments as the device had them then."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    model, batches = tiny_model("llama"), token_batches(2)  # 2 steps per epoch
+    straight, resumed = CausalLM(copy.deepcopy(model)), CausalLM(tiny_model("llama", seed=123))
+    saving = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer(SlideStrategy(gpu_update_blocks=2, resident_moments=2), 6, enable_checkpointing=True,
+            callbacks=[saving]).fit(straight, DataLoader(batches, batch_size=None))
+    trainer(SlideStrategy(gpu_update_blocks=2, resident_moments=2), 6).fit(
+        resumed, DataLoader(batches, batch_size=None), ckpt_path=str(tmp_path / "epoch=1-step=4.ckpt"))
+    assert relative_difference(straight.model, resumed.model) <= 1e-6
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-tied"])
