@@ -515,6 +515,8 @@ class DeviceUpdater:
 
     def release_moments(self, storages: Sequence[UnitStorage], units: Collection[int]) -> None:
         """`units` keep their moments on the host again (the CPU takes their updates over)."""
+        if not self.resident.keys() & set(units):
+            return
         self.moments_to_host(storages)
         for unit in units:
             self.resident.pop(unit, None)

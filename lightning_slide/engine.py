@@ -529,9 +529,12 @@ class SlideEngine:
         (their updates end the step), into device memory the step left spare (`DeviceUpdater.keep_moments`); they
         stay there for the run."""
         updater, wanted = self.adam.on_device, self.config.resident_moments
-        if not wanted or updater is None or self._moments_placed:
+        if not wanted or self._moments_placed:
             return
         self._moments_placed = True
+        if updater is None:
+            self.notes.append(f"resident_moments={wanted} unused: no update runs on the GPU here")
+            return
         blocks = sorted(u for u in updater.units if not self._dedicated[u])[:wanted]
         spare, kept = self._spare_vram(), []
         self.wait_drain_s += self.drain()  # the first step's updates may still be writing them

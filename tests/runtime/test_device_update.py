@@ -173,6 +173,15 @@ def test_a_loaded_optimizer_state_reaches_the_moments_kept_in_device_memory(monk
     engine.close()
 
 
+def test_a_run_without_updates_on_a_gpu_says_its_resident_moments_go_unused():
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(resident_moments=2),
+                         torch.device("cpu"), torch.float32)
+    engine_steps(engine, model, token_batches(1))
+    assert "resident_moments=2 unused: no update runs on the GPU here" in engine.notes
+    engine.close()
+
+
 def test_a_run_keeping_moments_in_device_memory_resumes_exactly_from_its_checkpoint(tmp_path, monkeypatch):
     """Through Lightning: the checkpoint at step 4 (an epoch's end) holds the moments as the device had them then."""
     monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
