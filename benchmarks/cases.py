@@ -92,7 +92,8 @@ class Case:
 _NAME_TAGS = {"slots": "slots-{}", "nvme_moments": "moments-{}", "recompute": "recompute-{}",
               "block_grad_buffers": "gradbufs-{}", "grad_buffers": "landing-{}", "chunk_elems": "chunk-{}",
               "loss_chunk_mib": "loss-{:g}", "activations": "acts-{}", "mlp_tile_tokens": "tiles-{}",
-              "gpu_update_blocks": "gpuadam-{}", "moment_precision": "{}-moments", "master_bits": "master{}"}
+              "gpu_update_blocks": "gpuadam-{}", "moment_precision": "{}-moments", "master_bits": "master{}",
+              "resident_moments": "resident-{}"}
 
 
 def case_name(system: str, model: str, micro_batch: int, seq_len: int, cap_gib: float | None,
@@ -361,6 +362,11 @@ SUITES: dict[str, list[Case]] = {
     "compact_moments": [_probe()] + [make("slide", "llama3_8b", 8, slide_settings=settings)
                                      for settings in ((), (("moment_precision", "int8"),),
                                                       (("moment_precision", "int8"), ("master_bits", 24)))],
+    # fp32 moments of the lowest GPU-updated blocks kept in device memory (`resident_moments`) at 3B 8x1024, where
+    # every block holds a slot and the link and the CPU bound the step, beside the default and ZeRO-3 offload
+    "resident_moments": [make("slide", "llama3_3b", 8, slide_settings=settings)
+                         for settings in ((), (("resident_moments", 2),), (("resident_moments", 4),))]
+                        + [make("ds3", "llama3_3b", 8)],
     "smoke": _smoke(),
 }
 SUITES["full"] = _unique([case for name, suite in SUITES.items() if name != "smoke" for case in suite])

@@ -92,6 +92,12 @@ class SlideConfig:
         sooner there (the next forward's first need), which a count leaves on the CPU; 0: every fp32 update on
         the CPU, as with amsgrad (its running maximum lives on the host). Compact moments are always updated on
         the GPU where there is one.
+    resident_moments: with fp32 moments updated on the GPU, how many of the decoder blocks it updates (the lowest
+        first: their updates end the step) keep both Adam moments in GPU memory between steps (8 bytes/param of
+        VRAM) instead of page-locked host RAM: their updates then move only the master over PCIe (4 bytes/param
+        each way, or 2 1/8 as planes, instead of 12 or 10 1/8), a step's host copy refreshed whenever the state is
+        read (checkpoints, `state_dict`). Taken after the first step from the VRAM it left spare, before the window
+        grows into the rest (fewer blocks where less is spare); 0: none.
     master_bits: how many bits of the fp32 master weights the units the GPU updates keep while they train. 32:
         the fp32 master, exact (on the host as planes: the bf16 weights, the low 16 bits and a parity bit,
         `master_halves`). 24 (opt-in, not exact): after each update the master is rounded stochastically to 24 bits
@@ -122,6 +128,7 @@ class SlideConfig:
     gds: Literal["auto", "on", "off"] = "auto"
     moment_precision: MomentPrecision = "fp32"
     gpu_update_blocks: int | Literal["auto"] = "auto"
+    resident_moments: int = 0
     master_bits: Literal[32, 24] = 32
     stall_timeout_s: float | None = None
 
@@ -145,6 +152,8 @@ class SlideConfig:
             "moment_precision": self.moment_precision in ("fp32", "bf16", "int8"),
             "gpu_update_blocks": self.gpu_update_blocks == "auto" or (
                 type(self.gpu_update_blocks) is int and self.gpu_update_blocks >= 0),
+            "resident_moments": type(self.resident_moments) is int and self.resident_moments >= 0 and (
+                self.resident_moments == 0 or self.moment_precision == "fp32"),
             "master_bits": type(self.master_bits) is int and self.master_bits in (32, 24),
             "stall_timeout_s": self.stall_timeout_s is None or (
                 isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
@@ -221,6 +230,8 @@ _HINTS = {
     "moment_precision": "Choose 'fp32' (exact AdamW), 'bf16' (stochastically rounded) or 'int8' (blockwise 8-bit).",
     "gpu_update_blocks": "Give a whole number of decoder blocks (0 or more) whose fp32 AdamW runs on the GPU, "
                          "or 'auto' (the split that balances the CPU's and the GPU's update time).",
+    "resident_moments": "Give a count of GPU-updated blocks (>= 0) whose moments stay in GPU memory; with "
+                        "moment_precision='fp32' only (compact moments are already small on the link).",
     "master_bits": "Give 32 (the fp32 master, exact) or 24 (bf16 and an 8-bit compensation, rounded stochastically).",
     "stall_timeout_s": "Give a positive number of seconds, or None to scale it from the longest item (at least 300 s).",
 }

@@ -463,6 +463,7 @@ class DeviceUpdater:
         self.table = codecs[0].noise.to(device)
         self._pinned: list[torch.Tensor] = []
         self.units: set[int] = set()  # the units whose updates run here (`serve`)
+        self.resident: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> its fp32 moments kept here
         self.bytes_up = self.bytes_down = 0  # state (and held gradients) copied to the device and back
         if device.type == "cuda":  # the buffers' index rows were made on this thread's stream, not the lanes'
             torch.cuda.synchronize(device)
@@ -488,6 +489,42 @@ class DeviceUpdater:
                     for t in (packed.values, packed.scales):
                         if t is not None and pin_(t):
                             self._pinned.append(t)
+
+    def keep_moments(self, storage: UnitStorage) -> None:
+        """Keep the fp32 moments of `storage` (a unit updated here) in device memory from now on: its updates read
+        and write them there, and only its master crosses the link (`moments_to_host` brings the host copy up to
+        date)."""
+        self.resident[storage.index] = tuple(
+            m.values.to(self.device, non_blocking=True, copy=True) for m in (storage.exp_avg, storage.exp_avg_sq))
+        self._settle()
+
+    def moments_to_host(self, storages: Sequence[UnitStorage]) -> None:
+        """The moments kept in device memory into their host copies (before the state is read); returns once
+        they are there."""
+        for unit, kept in self.resident.items():
+            for host, device in zip((storages[unit].exp_avg, storages[unit].exp_avg_sq), kept):
+                host.values.copy_(device, non_blocking=True)
+        self._settle()
+
+    def moments_to_device(self, storages: Sequence[UnitStorage]) -> None:
+        """The host copies into the moments kept in device memory (after a state was loaded into them)."""
+        for unit, kept in self.resident.items():
+            for host, device in zip((storages[unit].exp_avg, storages[unit].exp_avg_sq), kept):
+                device.copy_(host.values, non_blocking=True)
+        self._settle()
+
+    def release_moments(self, storages: Sequence[UnitStorage], units: Collection[int]) -> None:
+        """`units` keep their moments on the host again (the CPU takes their updates over)."""
+        if not self.resident.keys() & set(units):
+            return
+        self.moments_to_host(storages)
+        for unit in units:
+            self.resident.pop(unit, None)
+
+    def _settle(self) -> None:
+        """Wait for copies queued on this thread's stream (a state copy between steps: rare, and read next)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         """Unlock what `serve` locked and the touched rows' staging (after the device has finished with them)."""
@@ -707,11 +744,15 @@ class DeviceUpdater:
         update, copies back (and the new weights into their slot)."""
         n = grad.numel()
         gm = self._master_up(room, master, halves, start, weights)
-        values = [v[:n].copy_(m.values, non_blocking=True) for v, m in zip(room.values, moments)]
-        scales = [None if s is None else s[: m.scales.numel()].copy_(m.scales, non_blocking=True)
-                  for s, m in zip(room.scales, moments)]
-        state = sum(m.values.numel() * m.values.element_size() + (
-            0 if m.scales is None else m.scales.numel() * 4) for m in moments)
+        kept = self.resident.get(storage.index)
+        if kept is not None:  # fp32 moments in device memory: updated where they are
+            values, scales, state = [k[start : start + n] for k in kept], [None, None], 0
+        else:
+            values = [v[:n].copy_(m.values, non_blocking=True) for v, m in zip(room.values, moments)]
+            scales = [None if s is None else s[: m.scales.numel()].copy_(m.scales, non_blocking=True)
+                      for s, m in zip(room.scales, moments)]
+            state = sum(m.values.numel() * m.values.element_size() + (
+                0 if m.scales is None else m.scales.numel() * 4) for m in moments)
         state += 4 * n if halves is None else (
             halves.low_dtype.itemsize * n + parity_bytes(n) + (0 if weights is not None else 2 * n))
         self.bytes_up, self.bytes_down = self.bytes_up + state, self.bytes_down + state
@@ -728,7 +769,7 @@ class DeviceUpdater:
         if self.code_kernels:
             self._encode(moments_in, values, scales, plan.step, storage.index, start)
         self._master_back(room, gm, master, halves, start, weights, plan.step)
-        for m, v, s in zip(moments, values, scales):
+        for m, v, s in zip(moments, values, scales) if kept is None else ():
             m.values.copy_(v, non_blocking=True)
             if s is not None:
                 m.scales.copy_(s, non_blocking=True)

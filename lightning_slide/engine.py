@@ -33,6 +33,7 @@ from lightning_slide.adapters import UnsupportedModelError, causal_lm_units, fin
 from lightning_slide.available import available_ram, available_vram, host_headroom
 from lightning_slide.config import SlideConfig
 from lightning_slide.device_update import (
+    FP32_MOMENT_BYTES,
     DeviceUpdater,
     SlotWrite,
     fitted_units,
@@ -242,6 +243,8 @@ class SlideEngine:
         self._adapted = False
         self._adapted_tokens = 0  # the largest micro-batch (tokens) of the step the adaptation measured
         self._step_tokens = 0
+        self._moments_placed = False  # `_keep_moments` has run
+        self._kept_after_peak = 0  # device bytes it took since the peak `_adapt` reads was measured
         self.notes: list[str] = []  # what the engine decided from the first micro-batches, for the log
         self.graphs = GraphBudget(self.config.recompute)
         self._step_tensors: list[torch.Tensor] = []
@@ -509,6 +512,7 @@ class SlideEngine:
         if self.deferred:
             self._launch_deferred(plan, units, unmeasured)
         book.holding.clear()  # eager accumulation: the updates read the sums themselves
+        self._keep_moments()
         if "auto" in (self.config.slots, self.config.recompute) and not self._adapted:  # first step at this size
             self._adapted, self._adapted_tokens = True, self._step_tokens
             self._adapt()
@@ -519,8 +523,42 @@ class SlideEngine:
         """Device memory held by tensors now (a host-side counter: no synchronisation); 0 off CUDA."""
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
+    def _spare_vram(self) -> float:
+        """Device bytes the steps leave spare: the free memory and what tensors hold, less the headroom and the
+        step's peak (since torch.cuda's peak statistics were last reset); infinite off CUDA."""
+        if self.device.type != "cuda":
+            return math.inf
+        limit = available_vram(self.device) + self.allocated()
+        return limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
+
+    def _keep_moments(self) -> None:
+        """After the first step: the moments of up to `resident_moments` blocks the GPU updates, the lowest first
+        (their updates end the step), into device memory the step left spare (`DeviceUpdater.keep_moments`); they
+        stay there for the run."""
+        updater, wanted = self.adam.on_device, self.config.resident_moments
+        if not wanted or self._moments_placed:
+            return
+        self._moments_placed = True
+        if updater is None:
+            self.notes.append(f"resident_moments={wanted} unused: no update runs on the GPU here")
+            return
+        blocks = sorted(u for u in updater.units if not self._dedicated[u])[:wanted]
+        spare, kept = self._spare_vram(), []
+        self.wait_drain_s += self.drain()  # the first step's updates may still be writing them
+        for u in blocks:
+            need = FP32_MOMENT_BYTES * self.storages[u].trainable_numel
+            if need > spare:
+                break
+            updater.keep_moments(self.storages[u])
+            spare -= need
+            self._kept_after_peak += need
+            kept.append(self.storages[u].name)
+        self.notes.append(f"Adam moments in GPU memory for {len(kept)} of the {wanted} blocks asked "
+                          f"(resident_moments): {', '.join(kept) or 'none'}")
+
     def _adapt(self) -> None:
-        """The first step showed this batch's peak memory: spend what is spare on block slots, then kept graphs.
+        """The first step showed this batch's peak memory: spend what is spare (less the moments `_keep_moments`
+        placed since) on block slots, then kept graphs.
 
         More resident blocks mean fewer loads: a block that stays in its slot from its forward to its
         backward is read from host memory once per step instead of twice. A kept graph saves a part's
@@ -529,8 +567,7 @@ class SlideEngine:
         """
         grow = max(0, self.window.blocks - len(self.window.ring)) if self.config.slots == "auto" else 0
         if self.device.type == "cuda":
-            limit = available_vram(self.device) + self.allocated()
-            spare = limit * (1 - VRAM_HEADROOM) - torch.cuda.max_memory_allocated(self.device)
+            spare = self._spare_vram() - self._kept_after_peak
             grow = max(0, min(grow, int(spare // max(self.window.slot_bytes, 1))))
             self.graphs.allow(spare - grow * self.window.slot_bytes)
         self.window.grow(grow)
@@ -593,6 +630,7 @@ class SlideEngine:
             if self.storages[u].halves is not None:
                 self.storages[u].halves.release()
                 self.storages[u].halves = None
+        self.adam.on_device.release_moments(self.storages, units)
         self.adam.on_device.units -= units
 
     def _reopen_adaptation(self) -> None:
@@ -605,6 +643,7 @@ class SlideEngine:
         self.graphs.allow(0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._kept_after_peak = 0  # the next peak includes the kept moments
         self._adapted = False
 
     def _launch_deferred(self, plan: StepPlan, units: list[int], unmeasured: list[int]) -> None:
@@ -647,6 +686,8 @@ class SlideEngine:
         for step in self._step_tensors:
             step.fill_(float(self._step))
         self._planes_to_masters()
+        if self.adam.on_device is not None:
+            self.adam.on_device.moments_to_host(self.storages)
 
     @property
     def _halves(self) -> list[master_halves.MasterHalves]:
@@ -706,6 +747,8 @@ class SlideEngine:
                 steps.append(int(state["step"]))
         self._step = max(steps, default=0)
         self._bind_optimizer_state()
+        if self.adam.on_device is not None:
+            self.adam.on_device.moments_to_device(self.storages)
 
     def stats(self) -> dict[str, object]:
         """Cumulative transfer and overlap figures (bytes moved, in total and by what moved them, loads also per

@@ -110,7 +110,7 @@ def test_comparison_suites_run_the_default_before_each_alternative() -> None:
 def test_suites_are_named_for_what_they_measure() -> None:
     assert set(SUITES) == {"targets", "recompute", "baselines", "grid", "settings", "clipping", "ladders",
                            "long", "tiling", "gpu_updates", "boundary", "touched_rows", "grad_buffers",
-                           "compact_moments", "smoke", "full"}
+                           "compact_moments", "resident_moments", "smoke", "full"}
     assert {c.name for c in SUITES["full"]} == {c.name for name, s in SUITES.items() if name != "smoke" for c in s}
 
 

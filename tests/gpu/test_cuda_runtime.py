@@ -74,6 +74,31 @@ def test_fp32_blocks_updated_on_the_gpu_match_adamw(clip, monkeypatch):
 
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
+def test_fp32_blocks_keeping_their_moments_on_the_gpu_match_adamw(clip):
+    """`resident_moments=2`: both GPU-updated blocks keep their moments in device memory after the first step."""
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    expected = reference(model, batches, STEPS, clip=clip, device="cuda")
+    got = fit(model, batches, SlideStrategy(use_kernels=False, gpu_update_blocks=2, resident_moments=2), STEPS,
+              clip=clip, accelerator="gpu")
+    assert relative_difference(expected, got.model) <= 1e-5
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
+def test_moments_kept_on_the_gpu_beside_masters_as_planes_train_bit_for_bit_as_moments_in_ram(clip):
+    """bf16-mixed, two block slots: the same run with the two GPU-updated blocks' moments in device memory and in
+    pinned RAM."""
+    from lightning_slide import SlideStrategy
+
+    model, batches = tiny_model("llama"), token_batches(STEPS)
+    runs = [fit(model, batches, SlideStrategy(use_kernels=False, gpu_update_blocks=2, slots=2, resident_moments=k),
+                STEPS, clip=clip, precision="bf16-mixed", accelerator="gpu") for k in (2, 0)]
+    for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["eager", "clipped"])
 def test_blocks_whose_updates_the_step_hides_go_back_to_the_cpu_and_the_run_matches_adamw(clip, monkeypatch):
     """`gpu_update_blocks="auto"` at the H200 machine's link and CPU rates, which give the GPU the embedding and
     some blocks, and a matmul rate at which any step hides every update: from the first micro-batch on, only the

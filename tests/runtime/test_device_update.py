@@ -1,10 +1,13 @@
 """Compact moments updated on the device (`device_update`): the same arithmetic as the CPU pool's, so on the CPU
 (standing in for the GPU here) both train bit for bit alike, eager and clipped, in several chunks and pieces."""
 
+import copy
 import threading
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
 import lightning_slide.device_update as device_update
 import lightning_slide.engine as engine_module
@@ -14,6 +17,7 @@ import lightning_slide.transfer as transfer
 from lightning_slide import SlideConfig, SlideEngine, SlideStrategy, StepMode
 from lightning_slide.window import Window
 from tests.runtime.helpers import (
+    CausalLM,
     assert_same_state,
     engine_steps,
     fit,
@@ -22,15 +26,17 @@ from tests.runtime.helpers import (
     relative_difference,
     tiny_model,
     token_batches,
+    trainer,
 )
 
 
 def _train(precision: str, mode: StepMode, on_device: bool, monkeypatch, slots: int | str = "auto",
-           gpu_update_blocks: int | str = 0, arch: str = "llama") -> SlideEngine:
+           gpu_update_blocks: int | str = 0, arch: str = "llama", resident_moments: int = 0) -> SlideEngine:
     monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device if on_device else None)
     model = tiny_model(arch)
     optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
-    config = SlideConfig(moment_precision=precision, slots=slots, gpu_update_blocks=gpu_update_blocks)
+    config = SlideConfig(moment_precision=precision, slots=slots, gpu_update_blocks=gpu_update_blocks,
+                         resident_moments=resident_moments)
     engine = SlideEngine(model, optimizer, config, torch.device("cpu"), torch.float32, mode)
     assert (engine.adam.on_device is not None) == on_device
     engine_steps(engine, model, token_batches(3))
@@ -126,6 +132,67 @@ def test_fp32_blocks_updated_on_the_device_train_bit_for_bit_as_on_the_cpu(mode,
     assert device.adam.on_device.units == {1, 3}
     assert_same_state(cpu, device)
     cpu.close(), device.close()
+
+
+@pytest.mark.parametrize("mode", [StepMode(), StepMode(clip_norm=0.05)], ids=["eager", "clipped"])
+def test_moments_kept_in_device_memory_train_bit_for_bit_as_moments_in_host_memory(mode, monkeypatch):
+    """`resident_moments=1`: the lowest of the two blocks the device updates (unit 1) keeps its moments there
+    after the first step; its later updates move only its master, and each state read finds the host copy current."""
+    monkeypatch.setattr(device_update, "CHUNK_ELEMS", 1024)
+    host = _train("fp32", mode, True, monkeypatch, gpu_update_blocks=2)
+    kept = _train("fp32", mode, True, monkeypatch, gpu_update_blocks=2, resident_moments=1)
+    assert host.adam.on_device.units == kept.adam.on_device.units == {1, 3}
+    assert list(kept.adam.on_device.resident) == [1]
+    assert_same_state(host, kept)
+    saved = 2 * 8 * kept.storages[1].trainable_numel  # the two steps after the first, moments up
+    assert host.adam.on_device.bytes_up - kept.adam.on_device.bytes_up == saved
+    host.close(), kept.close()
+
+
+def test_a_loaded_optimizer_state_reaches_the_moments_kept_in_device_memory(monkeypatch):
+    """Step 3 again from the state saved after step 2: the same result only where the load replaced the
+    moments the device holds (else they would be step 3's)."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    engine = SlideEngine(model, optimizer, SlideConfig(gpu_update_blocks=2, resident_moments=2), torch.device("cpu"),
+                         torch.float32, StepMode())
+    first, third = token_batches(2), token_batches(1, seed=3)
+    engine_steps(engine, model, first)
+    assert sorted(engine.adam.on_device.resident) == [1, 3]
+    state, masters = copy.deepcopy(optimizer.state_dict()), [s.master.clone() for s in engine.storages]
+    engine_steps(engine, model, third)
+    once = [(s.master.clone(), s.exp_avg.values.clone(), s.exp_avg_sq.values.clone()) for s in engine.storages]
+    for s, master in zip(engine.storages, masters):
+        s.master.copy_(master)
+    engine.master_changed()
+    engine.load_optimizer_state(state)
+    engine_steps(engine, model, third)
+    again = [(s.master, s.exp_avg.values, s.exp_avg_sq.values) for s in engine.storages]
+    assert all(torch.equal(a, b) for x, y in zip(once, again) for a, b in zip(x, y))
+    engine.close()
+
+
+def test_a_run_without_updates_on_a_gpu_says_its_resident_moments_go_unused():
+    model = tiny_model("llama")
+    engine = SlideEngine(model, torch.optim.AdamW(param_groups(model)), SlideConfig(resident_moments=2),
+                         torch.device("cpu"), torch.float32)
+    engine_steps(engine, model, token_batches(1))
+    assert "resident_moments=2 unused: no update runs on the GPU here" in engine.notes
+    engine.close()
+
+
+def test_a_run_keeping_moments_in_device_memory_resumes_exactly_from_its_checkpoint(tmp_path, monkeypatch):
+    """Through Lightning: the checkpoint at step 4 (an epoch's end) holds the moments as the device had them then."""
+    monkeypatch.setattr(engine_module, "gpu_updates_on", lambda device: device)
+    model, batches = tiny_model("llama"), token_batches(2)  # 2 steps per epoch
+    straight, resumed = CausalLM(copy.deepcopy(model)), CausalLM(tiny_model("llama", seed=123))
+    saving = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer(SlideStrategy(gpu_update_blocks=2, resident_moments=2), 6, enable_checkpointing=True,
+            callbacks=[saving]).fit(straight, DataLoader(batches, batch_size=None))
+    trainer(SlideStrategy(gpu_update_blocks=2, resident_moments=2), 6).fit(
+        resumed, DataLoader(batches, batch_size=None), ckpt_path=str(tmp_path / "epoch=1-step=4.ckpt"))
+    assert relative_difference(straight.model, resumed.model) <= 1e-6
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-tied"])

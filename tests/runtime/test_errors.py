@@ -88,7 +88,8 @@ def test_compiled_models_are_rejected():
 @pytest.mark.parametrize(
     "settings, message",
     [(dict(slots=1), "at least 2 GPU slots"), (dict(offload="tape"), "offload"), (dict(window=3), "Unknown"),
-     (dict(loss_chunk_mib=0), "at least 1 MiB")],
+     (dict(loss_chunk_mib=0), "at least 1 MiB"), (dict(resident_moments=-1), "resident_moments=-1"),
+     (dict(resident_moments=2, moment_precision="int8"), "moment_precision='fp32' only")],
 )
 def test_bad_settings_say_what_is_valid(settings, message):
     with pytest.raises((ValueError, TypeError), match=message):
