@@ -522,8 +522,9 @@ class DeviceUpdater:
             self.resident.pop(unit, None)
 
     def _settle(self) -> None:
-        """Wait for copies queued on this thread's stream (a state copy between steps: rare, and read next)."""
-        if self.device.type == "cuda":
+        """Wait for copies queued on this thread's stream (a state copy between steps: rare, and read next); none
+        where no moments are kept here."""
+        if self.resident and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
